@@ -1,0 +1,151 @@
+"""Attention over a paged KV cache: the backend interface and its torch implementation.
+
+The KV cache of one layer is a pair of tensors `[num_blocks, block_size, kv_heads,
+head_dim]` (K, V). A step's tokens arrive flat: first the prefill chunks (one or more
+new tokens per sequence), then the decode tokens (exactly one per sequence). The runner
+builds one `AttentionMetadata` per step; every layer reuses it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class PrefillMeta:
+    """One sequence's prefill chunk inside the flat batch."""
+
+    query_start: int  # first row of this chunk in the flat batch
+    query_len: int  # new tokens in this chunk
+    context_len: int  # tokens attended to: cached prefix + this chunk
+    context_slots: torch.Tensor | None  # [context_len] cache slots; None when no prefix
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    num_prefill_tokens: int
+    prefills: list[PrefillMeta]
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [B] int32
+    decode_max_context_len: int
+    decode_slots: torch.Tensor | None  # [B * L] int64 slots, padded with 0 (masked)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True where attended
+
+
+class AttentionBackend(ABC):
+    """Writes a layer's new K/V into the paged cache and attends over it.
+
+    Implementations: `TorchAttentionBackend` (any device) and the Triton backend of
+    `pdserve.kernels` (CUDA). They must give the same outputs up to float rounding.
+    """
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store k/v at `meta.slot_mapping`, then return attention output [T, H, D].
+
+        Prefill rows attend causally to their sequence's cached prefix plus the chunk's
+        own earlier tokens; decode rows attend to their whole context.
+        Side effects: writes `kv_cache` in place.
+        """
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference backend: index_copy into the cache, gather by slots, SDPA."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_flat = k_cache.view(-1, kv_heads, head_dim)  # [slots, KVH, D]
+        v_flat = v_cache.view(-1, kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for p in meta.prefills:
+            rows = slice(p.query_start, p.query_start + p.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, p, scale)
+        if meta.num_decodes:
+            out[meta.num_prefill_tokens :] = self._decode(
+                q[meta.num_prefill_tokens :], k_flat, v_flat, meta, scale
+            )
+        return out
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor,  # [S, H, D]
+        k: torch.Tensor,  # [S, KVH, D]
+        v: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        p: PrefillMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        if p.context_slots is None:  # no cached prefix: attend to the chunk itself
+            mask = None
+        else:
+            k = k_flat.index_select(0, p.context_slots)  # [C, KVH, D]
+            v = v_flat.index_select(0, p.context_slots)
+            # query i sits at absolute position (C - S + i) and sees keys j <= that.
+            offset = p.context_len - p.query_len
+            mask = torch.ones(p.query_len, p.context_len, dtype=torch.bool, device=q.device)
+            mask = mask.tril(diagonal=offset)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # [H, S, D]
+            k.transpose(0, 1),  # [KVH, C, D]
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,  # [B, H, D]
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert meta.decode_slots is not None and meta.decode_mask is not None
+        batch, kv_heads, head_dim = q.shape[0], k_flat.shape[1], k_flat.shape[2]
+        length = meta.decode_max_context_len
+        k = k_flat.index_select(0, meta.decode_slots).view(batch, length, kv_heads, head_dim)
+        v = v_flat.index_select(0, meta.decode_slots).view(batch, length, kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, H, 1, D]
+            k.transpose(1, 2),  # [B, KVH, L, D]
+            v.transpose(1, 2),
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)

@@ -1,0 +1,70 @@
+"""Offline generation: `LLM(model_dir).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+Prompt = str | Seq[int]
+
+
+class LLM:
+    """Runs a batch of prompts to completion with continuous batching.
+
+    Args:
+        model: An HF model folder; None or "demo" for the built-in demo model.
+        **config: Fields of `EngineConfig` (block_size, num_kv_blocks, dtype, ...).
+    """
+
+    def __init__(self, model: str | Path | None = None, **config: Any) -> None:
+        self.engine = LLMEngine(model, EngineConfig(**config))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order.
+
+        Raises:
+            InvalidRequestError: a prompt is empty, too long or has out-of-vocabulary ids
+                (no request of the batch is run then).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        params_list = self._params_for(prompt_list, params)
+        request_ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
+        try:
+            for rid, prompt, p in zip(request_ids, prompt_list, params_list, strict=True):
+                self.engine.add_request(rid, prompt, p)
+        except Exception:
+            self.engine.abort(request_ids)
+            raise
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return [finals[rid] for rid in request_ids]
+
+    @staticmethod
+    def _params_for(
+        prompts: list[Prompt], params: SamplingParams | Seq[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        return list(params)

@@ -1,0 +1,232 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs out.
+
+Both worker roles and the offline `LLM` drive this class. It is single-threaded: callers
+serialise `add_request`, `abort` and `step` (the workers run it on one thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.attention import AttentionBackend, TorchAttentionBackend
+from pdserve.engine.block_pool import BlockPool, KVEvent
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.demo_model import resolve_model
+from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
+from pdserve.engine.hashing import hash_namespace
+from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.model import LlamaModel, load_model
+from pdserve.engine.model_config import ModelConfig, load_model_config
+from pdserve.engine.model_runner import ModelRunner, allocate_kv_caches
+from pdserve.engine.outputs import RequestOutput, TextTracker, make_output
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from pdserve.engine.sequence import FinishReason, Sequence
+from pdserve.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when nothing sizes the pool
+
+
+def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
+    if name == "auto":
+        name = model_config.torch_dtype if model_config.torch_dtype in _DTYPES else "float32"
+    return _DTYPES[name]
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` picks the Triton backend on CUDA when it is installed, torch otherwise."""
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        try:
+            from pdserve.kernels.backend import TritonAttentionBackend  # type: ignore[import-not-found]
+        except ImportError:
+            if name == "triton":
+                raise
+            return TorchAttentionBackend()
+        return TritonAttentionBackend()  # type: ignore[no-any-return]
+    return TorchAttentionBackend()
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path | None, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model(model)
+        self.model_config = load_model_config(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.model_id = config.model_id or self.model_dir.name
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        self.max_model_len, self.num_kv_blocks = self._size_kv_pool()
+        self.model: LlamaModel = load_model(
+            self.model_dir, self.model_config, self.dtype, self.device, self.max_model_len
+        )
+        self.block_pool = BlockPool(
+            self.num_kv_blocks, enable_caching=config.enable_prefix_caching, enable_events=True
+        )
+        self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            SchedulerLimits(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+        )
+        self.runner = ModelRunner(
+            self.model,
+            allocate_kv_caches(self.model, self.num_kv_blocks, config.block_size, self.device),
+            config.block_size,
+            make_attention_backend(config.attention_backend, self.device),
+            Sampler(config.seed, self.device),
+            self.device,
+        )
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self._namespace = hash_namespace(self.model_id, config.cache_salt)
+        self._seqs: dict[str, Sequence] = {}
+        self._trackers: dict[str, TextTracker] = {}
+
+    def _size_kv_pool(self) -> tuple[int, int]:
+        cfg, mc = self.config, self.model_config
+        max_len = cfg.max_model_len or mc.max_position_embeddings
+        if mc.sliding_window is not None and max_len > mc.sliding_window:
+            # NOTE: sliding-window attention is not implemented; within the window full
+            # attention is identical, so the context is capped to it instead.
+            max_len = mc.sliding_window
+        block_bytes = cfg.block_size * mc.kv_bytes_per_token * _itemsize(self.dtype) // 4
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif cfg.kv_cache_memory_gb is not None:
+            num_blocks = int(cfg.kv_cache_memory_gb * (1 << 30)) // block_bytes
+        else:
+            wanted = cfg.max_num_seqs * cdiv(max_len, cfg.block_size)
+            num_blocks = min(wanted, _DEFAULT_KV_BYTES // block_bytes)
+        if num_blocks * cfg.block_size < max_len:
+            if cfg.max_model_len is not None:
+                raise InvalidRequestError(
+                    f"the KV pool ({num_blocks} blocks of {cfg.block_size}) cannot hold one "
+                    f"sequence of max_model_len={max_len} tokens"
+                )
+            max_len = num_blocks * cfg.block_size
+        return max_len, max(num_blocks, 1)
+
+    # -- requests -------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        stream: bool = False,
+        arrival_s: float | None = None,
+    ) -> Sequence:
+        """Queue a request. Raises InvalidRequestError for a bad prompt or a duplicate id."""
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        token_ids = self._prompt_token_ids(prompt)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            hash_namespace=self._namespace,
+            arrival_s=time.monotonic() if arrival_s is None else arrival_s,
+        )
+        self._seqs[request_id] = seq
+        if stream or params.stop:
+            self._trackers[request_id] = TextTracker(self.tokenizer, seq)
+        self.scheduler.add(seq)
+        return seq
+
+    def _prompt_token_ids(self, prompt: str | Seq[int]) -> list[int]:
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, including at least one generated token"
+            )
+        return token_ids
+
+    def abort(self, request_ids: Seq[str]) -> None:
+        """Cancel requests (any state); their blocks are freed at once."""
+        for seq in self.scheduler.abort(request_ids):
+            self._release(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.block_pool.drain_events()
+
+    # -- the loop -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return an output for every request that changed."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        result = self.runner.execute(sched_out)
+        for request_id, logprobs in result.logprobs.items():
+            self._seqs[request_id].output_logprobs.append(logprobs)
+        finished = self.scheduler.update(sched_out, result.sampled)
+        return self._outputs(sched_out, result.sampled, finished)
+
+    def _outputs(
+        self, sched_out: SchedulerOutput, sampled: dict[str, int], finished: list[Sequence]
+    ) -> list[RequestOutput]:
+        finished_ids = {s.request_id for s in finished}
+        outputs = []
+        for item in (*sched_out.prefills, *sched_out.decodes):
+            seq = item.seq
+            if seq.request_id not in sampled:
+                continue
+            new_ids = [sampled[seq.request_id]]
+            outputs.append(self._output(seq, new_ids, seq.request_id in finished_ids))
+        return outputs
+
+    def _output(self, seq: Sequence, new_ids: list[int], finished: bool) -> RequestOutput:
+        tracker = self._trackers.get(seq.request_id)
+        if tracker is None:  # no stream, no stop strings: decode once, at the end
+            new_text = ""
+            text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+            text = text if finished else ""
+        else:
+            new_text = tracker.add(new_ids, finished)
+            if tracker.stopped and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
+            text = tracker.text
+        want_logprobs = seq.params.logprobs is not None
+        out = make_output(seq, text, new_ids, new_text, want_logprobs)
+        if seq.is_finished:
+            self._release(seq)
+        return out
+
+    def _release(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+        self._trackers.pop(seq.request_id, None)
+        self.runner.sampler.release(seq.request_id)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

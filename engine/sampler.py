@@ -1,0 +1,100 @@
+"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+
+A seeded request draws from its own `torch.Generator`, so its tokens depend on its seed
+alone, never on the other requests in the batch. Unseeded random requests share the
+engine's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self._generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generator."""
+        self._request_generators.pop(request_id, None)
+
+    def __call__(
+        self, logits: torch.Tensor, request_ids: Seq[str], params: Seq[SamplingParams]
+    ) -> SamplerOutput:
+        """Sample one token per row of `logits` [N, vocab] (float32)."""
+        token_ids = logits.argmax(dim=-1)  # [N]; right for every greedy row
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            sampled = self._sample_rows(
+                logits.index_select(0, rows),
+                [request_ids[i] for i in random_rows],
+                [params[i] for i in random_rows],
+            )
+            token_ids = token_ids.index_copy(0, rows, sampled)
+        ids = token_ids.tolist()
+        return SamplerOutput(ids, self._logprobs(logits, ids, params))
+
+    def _sample_rows(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        sorted_logits, sorted_ids = (logits / temps.unsqueeze(1)).sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        sorted_logits.masked_fill_(ranks >= top_k.unsqueeze(1), float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        # Drop a token when the tokens ranked above it already reach top_p (keeps >= 1).
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+        probs = probs.masked_fill(drop, 0.0)
+        picks = [
+            torch.multinomial(probs[i], 1, generator=self._generator_for(rid, p))
+            for i, (rid, p) in enumerate(zip(request_ids, params, strict=True))
+        ]
+        return sorted_ids.gather(1, torch.stack(picks)).squeeze(1)
+
+    def _generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._generator
+        gen = self._request_generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            self._request_generators[request_id] = gen
+        return gen
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, token_ids: list[int], params: Seq[SamplingParams]
+    ) -> list[TokenLogprobs | None]:
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        result: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if not wanted:
+            return result
+        logprobs = logits.index_select(0, torch.tensor(wanted)).log_softmax(dim=-1)
+        for row, i in enumerate(wanted):
+            num_top = params[i].logprobs or 0
+            top_vals, top_ids = logprobs[row].topk(num_top) if num_top else (None, None)
+            top = (
+                tuple(zip(top_ids.tolist(), top_vals.tolist(), strict=True))
+                if top_ids is not None and top_vals is not None
+                else ()
+            )
+            chosen = float(logprobs[row, token_ids[i]])
+            result[i] = TokenLogprobs(token_ids[i], chosen, top)
+        return result

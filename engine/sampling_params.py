@@ -1,0 +1,67 @@
+"""Per-request sampling parameters (plain Python, validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. `top_k` 0 (or -1) and `top_p` 1 disable those filters.
+    A `seed` makes the request's tokens depend only on the seed, never on which other
+    requests share its batch. `stop` strings end generation and are not emitted.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists / a single string from callers; store tuples (frozen, hashable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for problem in self._problems():
+            raise InvalidRequestError(problem)
+
+    def _problems(self) -> list[str]:
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
+            ),
+            (
+                len(self.stop) <= MAX_STOP_STRINGS,
+                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",
+            ),
+            (
+                all(0 < len(s) <= MAX_STOP_STRING_LEN for s in self.stop),
+                f"stop strings must be 1 to {MAX_STOP_STRING_LEN} characters",
+            ),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+        ]
+        return [message for ok, message in checks if not ok]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
