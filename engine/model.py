@@ -99,7 +99,7 @@ class LlamaModel:
 
 
 def _cat_bias(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
-    present = [tensors.get(n) for n in names]
+    present = [tensors.pop(n, None) for n in names]
     if all(t is None for t in present):
         return None
     if any(t is None for t in present):

@@ -100,8 +100,9 @@ class ModelRunner:
             pos_i = item.start
             tokens.append(item.seq.all_token_ids[pos_i])
             positions.append(pos_i)
-            sample_rows.append(len(tokens) - 1)
-            sample_items.append(item)
+            if item.samples:  # NOTE: a 1-token prefill chunk rides here and does not sample
+                sample_rows.append(len(tokens) - 1)
+                sample_items.append(item)
         if out.decodes:
             slots.append(
                 self._tensor(

@@ -53,10 +53,20 @@ class SchedulerLimits:
     enable_chunked_prefill: bool = True
 
 
+@dataclass
+class SchedulerStats:
+    """Counters since start, for metrics and tests."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_chunked_prefill_steps: int = 0  # prefill chunks that left the prompt unfinished
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, limits: SchedulerLimits) -> None:
         self.kv = kv
         self.limits = limits
+        self.stats = SchedulerStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -73,6 +83,9 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(out.preempted)
+        self.stats.num_chunked_prefill_steps += sum(not s.samples for s in out.prefills)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

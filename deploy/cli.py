@@ -1,0 +1,86 @@
+"""The `pdserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pdserve.engine.errors import EngineError
+
+
+def _add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF model folder (default: the built-in demo model, written on first use)",
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve.engine import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    (out,) = llm.generate([prompt], params)
+    print(out.text)
+    print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from pdserve.engine.demo_model import write_demo_model
+
+    path = write_demo_model(args.dir, seed=args.seed)
+    print(f"wrote the demo model to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt offline and print the text")
+    _add_model_arg(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--threads", type=int, default=1, help="torch threads")
+    gen.set_defaults(func=_generate)
+
+    demo = sub.add_parser("demo-model", help="write the built-in demo checkpoint to DIR")
+    demo.add_argument("dir")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_demo_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (EngineError, ValueError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

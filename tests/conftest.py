@@ -1,0 +1,167 @@
+"""Shared fixtures: the demo model and random Hugging Face checkpoints built on the spot.
+
+Checkpoints come from `transformers` (a dev dependency: the reference our tokens must
+equal), imported lazily so tests of the plain-Python packages do not pay for it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.engine.demo_model import write_demo_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Large enough that random models do not greedily repeat one token; small enough to stay sane.
+CHECKPOINT_INIT_RANGE = 0.1
+QWEN2_BIAS_STD = 0.1
+
+MakeCheckpoint = Callable[..., Path]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """DESIGN.md, "Threads": explicit thread counts; 2 OpenMP threads stall a busy 2-core box."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model (seed 0), written once per session."""
+    return write_demo_model(tmp_path_factory.mktemp("demo") / "demo-model")
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path
+) -> MakeCheckpoint:
+    """Factory of random `transformers` checkpoints using the demo tokenizer (vocab 512).
+
+    `make(arch="llama" | "mistral" | "qwen2", *, hidden_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=None, intermediate_size=128, tie_word_embeddings=False,
+    rope_scaling=None, dtype="float32", seed=0, max_position_embeddings=1024, shard=False)`
+    returns the folder; equal arguments return the same folder within a session.
+    `shard=True` saves several shards plus `model.safetensors.index.json`.
+    """
+    built: dict[str, Path] = {}
+
+    def make(
+        arch: str = "llama",
+        *,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        head_dim: int | None = None,
+        intermediate_size: int = 128,
+        tie_word_embeddings: bool = False,
+        rope_scaling: dict[str, Any] | None = None,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_position_embeddings: int = 1024,
+        shard: bool = False,
+    ) -> Path:
+        args = {
+            "arch": arch,
+            "hidden_size": hidden_size,
+            "num_layers": num_layers,
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "intermediate_size": intermediate_size,
+            "tie_word_embeddings": tie_word_embeddings,
+            "rope_scaling": rope_scaling,
+            "dtype": dtype,
+            "seed": seed,
+            "max_position_embeddings": max_position_embeddings,
+            "shard": shard,
+        }
+        key = json.dumps(args, sort_keys=True)  # rope_scaling is a dict: not hashable as is
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            _build_checkpoint(out, demo_model_dir, **args)
+            built[key] = out
+        return built[key]
+
+    return make
+
+
+def _build_checkpoint(out: Path, demo_dir: Path, **args: Any) -> None:
+    import torch
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }
+    if args["arch"] not in classes:
+        raise ValueError(f"unknown arch {args['arch']!r}; expected one of {sorted(classes)}")
+    config_cls, model_cls = classes[args["arch"]]
+    demo_config = json.loads((demo_dir / "config.json").read_text())
+    demo_generation = json.loads((demo_dir / "generation_config.json").read_text())
+    config = config_cls(
+        vocab_size=demo_config["vocab_size"],
+        hidden_size=args["hidden_size"],
+        intermediate_size=args["intermediate_size"],
+        num_hidden_layers=args["num_layers"],
+        num_attention_heads=args["num_heads"],
+        num_key_value_heads=args["num_kv_heads"],
+        max_position_embeddings=args["max_position_embeddings"],
+        initializer_range=CHECKPOINT_INIT_RANGE,
+        tie_word_embeddings=args["tie_word_embeddings"],
+        bos_token_id=demo_config["bos_token_id"],
+        eos_token_id=demo_config["eos_token_id"],
+        **_rope_kwargs(config_cls, args["rope_scaling"]),
+        **({} if args["head_dim"] is None else {"head_dim": args["head_dim"]}),
+    )
+    torch.manual_seed(args["seed"])
+    model = model_cls(config).eval()
+    _check_head_dim(model, args)
+    if args["arch"] == "qwen2":
+        _randomize_qkv_biases(model)
+    model.to(getattr(torch, args["dtype"]))
+    shard_kwargs = {"max_shard_size": "200KB"} if args["shard"] else {}
+    model.save_pretrained(out, **shard_kwargs)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(demo_dir / name, out / name)
+    generation = {key: demo_generation[key] for key in ("bos_token_id", "eos_token_id")}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _rope_kwargs(config_cls: type, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict."""
+    if "rope_parameters" not in inspect.signature(config_cls.__init__).parameters:
+        return {"rope_theta": 10000.0, "rope_scaling": rope_scaling}  # transformers 4
+    params = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
+    if "type" in params:  # the legacy spelling of rope_type
+        params["rope_type"] = params.pop("type")
+    return {"rope_parameters": params}
+
+
+def _check_head_dim(model: Any, args: dict[str, Any]) -> None:
+    head_dim = args["head_dim"] or args["hidden_size"] // args["num_heads"]
+    q_proj = model.model.layers[0].self_attn.q_proj
+    if q_proj.out_features != args["num_heads"] * head_dim:
+        raise ValueError(f"{args['arch']} ignored head_dim={head_dim}")
+
+
+def _randomize_qkv_biases(model: Any) -> None:
+    """HF zero-initialises biases; non-zero ones make tests really exercise the bias path."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, QWEN2_BIAS_STD)
