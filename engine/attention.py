@@ -28,16 +28,22 @@ class PrefillMeta:
 
 
 @dataclass
+class DecodeMeta:
+    """The decode rows (one token per sequence) at the end of the flat batch."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32, including the new token
+    max_context_len: int  # L
+    slots: torch.Tensor  # [B * L] int64 cache slots, padded with 0 (masked)
+    mask: torch.Tensor  # [B, 1, 1, L] bool, True where attended
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     num_prefill_tokens: int
     prefills: list[PrefillMeta]
-    num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks] int32
-    decode_context_lens: torch.Tensor | None  # [B] int32
-    decode_max_context_len: int
-    decode_slots: torch.Tensor | None  # [B * L] int64 slots, padded with 0 (masked)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True where attended
+    decode: DecodeMeta | None
 
 
 class AttentionBackend(ABC):
@@ -91,9 +97,9 @@ class TorchAttentionBackend(AttentionBackend):
         for p in meta.prefills:
             rows = slice(p.query_start, p.query_start + p.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, p, scale)
-        if meta.num_decodes:
+        if meta.decode is not None:
             out[meta.num_prefill_tokens :] = self._decode(
-                q[meta.num_prefill_tokens :], k_flat, v_flat, meta, scale
+                q[meta.num_prefill_tokens :], k_flat, v_flat, meta.decode, scale
             )
         return out
 
@@ -132,19 +138,18 @@ class TorchAttentionBackend(AttentionBackend):
         q: torch.Tensor,  # [B, H, D]
         k_flat: torch.Tensor,
         v_flat: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: DecodeMeta,
         scale: float,
     ) -> torch.Tensor:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
         batch, kv_heads, head_dim = q.shape[0], k_flat.shape[1], k_flat.shape[2]
-        length = meta.decode_max_context_len
-        k = k_flat.index_select(0, meta.decode_slots).view(batch, length, kv_heads, head_dim)
-        v = v_flat.index_select(0, meta.decode_slots).view(batch, length, kv_heads, head_dim)
+        length = meta.max_context_len
+        k = k_flat.index_select(0, meta.slots).view(batch, length, kv_heads, head_dim)
+        v = v_flat.index_select(0, meta.slots).view(batch, length, kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, H, 1, D]
             k.transpose(1, 2),  # [B, KVH, L, D]
             v.transpose(1, 2),
-            attn_mask=meta.decode_mask,
+            attn_mask=meta.mask,
             scale=scale,
             enable_gqa=True,
         )

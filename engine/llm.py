@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -39,9 +39,7 @@ class LLM:
             InvalidRequestError: a prompt is empty, too long or has out-of-vocabulary ids
                 (no request of the batch is run then).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = _as_prompt_list(prompts)
         params_list = self._params_for(prompt_list, params)
         request_ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
         try:
@@ -68,3 +66,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         return list(params)
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """One prompt (a string or a list of ids) or many, as a list of prompts."""
+    if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+        return [cast(Prompt, prompts)]
+    return list(cast(Seq[Prompt], prompts))

@@ -46,12 +46,12 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """`auto` picks the Triton backend on CUDA when it is installed, torch otherwise."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
-            from pdserve.kernels.backend import TritonAttentionBackend  # type: ignore[import-not-found]
+            from pdserve.kernels.backend import TritonAttentionBackend
         except ImportError:
             if name == "triton":
                 raise
             return TorchAttentionBackend()
-        return TritonAttentionBackend()  # type: ignore[no-any-return]
+        return TritonAttentionBackend()  # type: ignore[no-any-return, unused-ignore]
     return TorchAttentionBackend()
 
 

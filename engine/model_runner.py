@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention import AttentionBackend, AttentionMetadata, KVCache, PrefillMeta
+from pdserve.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeMeta,
+    KVCache,
+    PrefillMeta,
+)
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -116,20 +122,13 @@ class ModelRunner:
             slot_mapping=torch.cat(slots),
             num_prefill_tokens=num_prefill_tokens,
             prefills=prefills,
-            num_decodes=len(out.decodes),
-            **decode_meta,
+            decode=decode_meta,
         )
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sample_items
 
-    def _decode_meta(self, decodes: list[ScheduledSeq]) -> dict[str, object]:
+    def _decode_meta(self, decodes: list[ScheduledSeq]) -> DecodeMeta | None:
         if not decodes:
-            return {
-                "decode_block_tables": None,
-                "decode_context_lens": None,
-                "decode_max_context_len": 0,
-                "decode_slots": None,
-                "decode_mask": None,
-            }
+            return None
         bs = self.block_size
         context_lens = [item.start + 1 for item in decodes]
         max_len = max(context_lens)
@@ -141,10 +140,10 @@ class ModelRunner:
         j = torch.arange(max_len, device=self.device)  # [L]
         mask = j.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
         slots = block_tables[:, j // bs].long() * bs + j % bs  # [B, L]
-        return {
-            "decode_block_tables": block_tables,
-            "decode_context_lens": lens,
-            "decode_max_context_len": max_len,
-            "decode_slots": slots.masked_fill(~mask, 0).view(-1),
-            "decode_mask": mask.view(len(decodes), 1, 1, max_len),
-        }
+        return DecodeMeta(
+            block_tables=block_tables,
+            context_lens=lens,
+            max_context_len=max_len,
+            slots=slots.masked_fill(~mask, 0).view(-1),
+            mask=mask.view(len(decodes), 1, 1, max_len),
+        )
