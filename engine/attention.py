@@ -145,12 +145,15 @@ class TorchAttentionBackend(AttentionBackend):
         length = meta.max_context_len
         k = k_flat.index_select(0, meta.slots).view(batch, length, kv_heads, head_dim)
         v = v_flat.index_select(0, meta.slots).view(batch, length, kv_heads, head_dim)
+        # NOTE: query heads of one KV group ride as G "query positions" of that KV head
+        # (heads h = kv * G + g, as transformers' repeat_kv orders them). With q_len > 1
+        # and no GQA flag, SDPA takes its fused CPU kernel: 4-8x faster than enable_gqa.
+        groups = q.shape[1] // kv_heads
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, H, 1, D]
+            q.view(batch, kv_heads, groups, head_dim),  # [B, KVH, G, D]
             k.transpose(1, 2),  # [B, KVH, L, D]
             v.transpose(1, 2),
-            attn_mask=meta.mask,
+            attn_mask=meta.mask,  # [B, 1, 1, L]
             scale=scale,
-            enable_gqa=True,
         )
-        return out.squeeze(2)
+        return out.reshape(batch, kv_heads * groups, head_dim)

@@ -209,8 +209,8 @@ class LLMEngine:
         tracker = self._trackers.get(seq.request_id)
         if tracker is None:  # no stream, no stop strings: decode once, at the end
             new_text = ""
-            text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
-            text = text if finished else ""
+            skip = seq.params.skip_special_tokens
+            text = self.tokenizer.decode(seq.output_token_ids, skip) if finished else ""
         else:
             new_text = tracker.add(new_ids, finished)
             if tracker.stopped and not seq.is_finished:

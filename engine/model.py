@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata, KVCache
 from pdserve.engine.errors import CheckpointError
+from pdserve.engine.linear import Linear
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.rotary import apply_rotary, cos_sin_cache
 from pdserve.engine.weights import iter_weights
@@ -23,15 +24,11 @@ from pdserve.engine.weights import iter_weights
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 * KVH) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, H * D]
-    o_bias: torch.Tensor | None
+    qkv: Linear  # hidden -> (H + 2 * KVH) * D
+    o: Linear  # H * D -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * ffn, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, ffn]
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # hidden -> 2 * ffn
+    down: Linear  # ffn -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,7 +54,7 @@ class LlamaModel:
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
+        self.lm_head = Linear(lm_head)  # hidden -> vocab; the embedding itself when tied
         self.dtype = embed.dtype
         self.cos, self.sin = cos_sin_cache(config.rope, config.head_dim, max_positions, self.dtype)
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -80,22 +77,22 @@ class LlamaModel:
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split(self._qkv_split, dim=-1)
+            q, k, v = layer.qkv(x).split(self._qkv_split, dim=-1)
             q = apply_rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rotary(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             out = attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-            hidden = residual + F.linear(out.reshape(num_tokens, -1), layer.o, layer.o_bias)
+            hidden = residual + layer.o(out.reshape(num_tokens, -1))
             residual = hidden
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = residual + layer.down(F.silu(gate) * up)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows of `hidden` that sample."""
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
 
 def _cat_bias(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
@@ -122,15 +119,17 @@ def _layer(tensors: dict[str, torch.Tensor], i: int) -> LayerWeights:
     gate_up = torch.cat([_take(tensors, f"{n}.weight") for n in mlp_names])
     return LayerWeights(
         input_norm=_take(tensors, f"{p}input_layernorm.weight"),
-        qkv=qkv,
-        qkv_bias=_cat_bias(tensors, [f"{n}.bias" for n in attn_names]),
-        o=_take(tensors, f"{p}self_attn.o_proj.weight"),
-        o_bias=tensors.pop(f"{p}self_attn.o_proj.bias", None),
+        qkv=Linear(qkv, _cat_bias(tensors, [f"{n}.bias" for n in attn_names])),
+        o=Linear(
+            _take(tensors, f"{p}self_attn.o_proj.weight"),
+            tensors.pop(f"{p}self_attn.o_proj.bias", None),
+        ),
         post_norm=_take(tensors, f"{p}post_attention_layernorm.weight"),
-        gate_up=gate_up,
-        gate_up_bias=_cat_bias(tensors, [f"{n}.bias" for n in mlp_names]),
-        down=_take(tensors, f"{p}mlp.down_proj.weight"),
-        down_bias=tensors.pop(f"{p}mlp.down_proj.bias", None),
+        gate_up=Linear(gate_up, _cat_bias(tensors, [f"{n}.bias" for n in mlp_names])),
+        down=Linear(
+            _take(tensors, f"{p}mlp.down_proj.weight"),
+            tensors.pop(f"{p}mlp.down_proj.bias", None),
+        ),
     )
 
 

@@ -43,7 +43,7 @@ class TextTracker:
         """Add new tokens; return the text now safe to emit. Sets `stopped` on a stop string."""
         if not self.stopped:
             start = max(0, len(self.text) - self._hold)
-            self.text += self._decoder.step(token_ids)
+            self.text += self._decoder.step(token_ids, final=finished)
             self._truncate_at_stop(start)
         end = len(self.text) if (finished or self.stopped) else len(self.text) - self._hold
         if end <= self._emitted:

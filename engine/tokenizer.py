@@ -44,6 +44,9 @@ class Tokenizer:
         self.bos_token = _token_content(cfg.get("bos_token"))
         self.eos_token = _token_content(cfg.get("eos_token"))
         self.chat_template: str | None = cfg.get("chat_template")
+        jinja_path = model_dir / "chat_template.jinja"  # transformers >= 4.50 saves it apart
+        if self.chat_template is None and jinja_path.is_file():
+            self.chat_template = jinja_path.read_text(encoding="utf-8")
         if isinstance(self.chat_template, list):  # named templates: take "default"
             named = {t["name"]: t["template"] for t in self.chat_template}
             self.chat_template = named.get("default")
@@ -115,15 +118,19 @@ class IncrementalDecoder:
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # tokens before this have been emitted
 
-    def step(self, token_ids: Sequence[int]) -> str:
-        """Add tokens; return the new text they complete (possibly "")."""
+    def step(self, token_ids: Sequence[int], final: bool = False) -> str:
+        """Add tokens; return the new text they complete (possibly "").
+
+        With `final`, nothing is held back: a trailing incomplete character is emitted as
+        U+FFFD, exactly as a one-shot `decode` of all the tokens shows it.
+        """
         self._token_ids.extend(token_ids)
         window = self._token_ids[self._prefix_offset :]
         shown = self._tokenizer.decode(
             self._token_ids[self._prefix_offset : self._read_offset], self._skip
         )
         text = self._tokenizer.decode(window, self._skip)
-        if len(text) <= len(shown) or text.endswith("\ufffd"):
+        if len(text) <= len(shown) or (text.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
