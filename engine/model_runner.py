@@ -34,7 +34,7 @@ def allocate_kv_caches(
     model: LlamaModel, num_blocks: int, block_size: int, device: torch.device
 ) -> list[KVCache]:
     cfg = model.config
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
     return [
         (
             torch.zeros(shape, dtype=model.dtype, device=device),
@@ -144,6 +144,6 @@ class ModelRunner:
             block_tables=block_tables,
             context_lens=lens,
             max_context_len=max_len,
-            slots=slots.masked_fill(~mask, 0).view(-1),
+            slots=slots.masked_fill(~mask, 0),
             mask=mask.view(len(decodes), 1, 1, max_len),
         )
