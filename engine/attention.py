@@ -1,12 +1,14 @@
 """Attention over a paged KV cache: the backend interface and its torch implementation.
 
-The KV cache of one layer is a pair of tensors `[num_blocks, kv_heads, block_size,
-head_dim]` (K, V): a block is contiguous (so a transfer ships whole blocks) and within it
-each head's rows are contiguous (so attention reads [tokens, head_dim] slabs). A token's
-*slot* is `block_id * block_size + offset`. A step's tokens arrive flat: first the
-prefill chunks (one or more new tokens per sequence), then the decode tokens (exactly
-one per sequence). The runner builds one `AttentionMetadata` per step; every layer
-reuses it.
+All layers' KV cache is one tensor `[num_layers, 2, num_blocks, kv_heads, block_size,
+head_dim]` (2 = K, V); a layer sees the views `[num_blocks, kv_heads, block_size,
+head_dim]`. A block is contiguous (a transfer ships whole blocks: `kernels/kv_pack.py`)
+and within it each head's rows are contiguous (attention reads [tokens, head_dim]
+slabs). A token's *slot* is `block_id * block_size + offset`.
+
+A step's tokens arrive flat: first the prefill chunks (one or more new tokens per
+sequence), then the decode tokens (exactly one per sequence, ordered by context
+length). The runner builds one `AttentionMetadata` per step; every layer reuses it.
 """
 
 from __future__ import annotations
@@ -28,18 +30,25 @@ class PrefillMeta:
     query_start: int  # first row of this chunk in the flat batch
     query_len: int  # new tokens in this chunk
     context_len: int  # tokens attended to: cached prefix + this chunk
-    context_slots: torch.Tensor | None  # [context_len] cache slots; None when no prefix
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64 block ids
+
+
+@dataclass
+class PrefillBatch:
+    """The prefill chunks as tensors, for kernels that take them in one launch."""
+
+    block_tables: torch.Tensor  # [P, max_blocks] int32
+    query_start_loc: torch.Tensor  # [P + 1] int32
+    context_lens: torch.Tensor  # [P] int32
 
 
 @dataclass
 class DecodeMeta:
     """The decode rows (one token per sequence) at the end of the flat batch."""
 
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    context_lens: torch.Tensor  # [B] int32, including the new token
-    max_context_len: int  # L
-    slots: torch.Tensor  # [B, L] int64 cache slots, padded with 0 (masked)
-    mask: torch.Tensor  # [B, 1, 1, L] bool, True where attended
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0
+    context_lens: torch.Tensor  # [B] int32, including the new token (ascending)
+    context_lens_list: list[int]  # the same on the host
 
 
 @dataclass
@@ -47,24 +56,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     num_prefill_tokens: int
     prefills: list[PrefillMeta]
+    prefill_batch: PrefillBatch | None
     decode: DecodeMeta | None
     # Indices a backend derives once per step and reuses in every layer.
     scratch: dict[str, Any] = field(default_factory=dict)
-
-
-def cache_rows(
-    slots: torch.Tensor, kv_heads: int, block_size: int, heads_first: bool = False
-) -> torch.Tensor:
-    """Row indices into a cache viewed as [num_blocks * kv_heads * block_size, head_dim].
-
-    Returns [*slots.shape, kv_heads], or [kv_heads, *slots.shape] with `heads_first`.
-    """
-    offset = slots % block_size
-    base = (slots - offset) * kv_heads + offset  # row of head 0
-    heads = torch.arange(kv_heads, device=slots.device) * block_size
-    if heads_first:
-        return base.unsqueeze(0) + heads.view(kv_heads, *([1] * slots.dim()))
-    return base.unsqueeze(-1) + heads
 
 
 class AttentionBackend(ABC):
@@ -75,6 +70,8 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    # Whether the runner should also build `AttentionMetadata.prefill_batch`.
+    wants_prefill_batch: bool = False
 
     @abstractmethod
     def forward(
@@ -94,8 +91,48 @@ class AttentionBackend(ABC):
         """
 
 
+@dataclass
+class _DecodeGroup:
+    """Decode rows of similar context length, attended in one padded SDPA call."""
+
+    rows: slice
+    block_rows: torch.Tensor  # [KVH * b * max_blocks] rows of the [blocks * KVH, bs * D] view
+    num_blocks: int
+    mask: torch.Tensor  # [b, 1, 1, num_blocks * bs] bool, True where attended
+
+
+def _block_rows(block_ids: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Rows [KVH, *block_ids.shape] of the cache viewed as [num_blocks * KVH, bs * D]."""
+    heads = torch.arange(kv_heads, device=block_ids.device)
+    return block_ids.long().unsqueeze(0) * kv_heads + heads.view(-1, *[1] * block_ids.dim())
+
+
+def _decode_groups(meta: DecodeMeta, kv_heads: int, block_size: int) -> list[_DecodeGroup]:
+    # Rows are sorted by context length; cut a new group where the length doubles, so
+    # padding (gathered and attended for nothing) stays under 2x of the real work.
+    lens = meta.context_lens_list
+    groups, start = [], 0
+    for end in range(1, len(lens) + 1):
+        if end < len(lens) and lens[end] <= 2 * max(lens[start], block_size):
+            continue
+        num_blocks = -(-lens[end - 1] // block_size)
+        tables = meta.block_tables[start:end, :num_blocks]
+        positions = torch.arange(num_blocks * block_size, device=tables.device)
+        mask = positions.unsqueeze(0) < meta.context_lens[start:end].unsqueeze(1)
+        groups.append(
+            _DecodeGroup(
+                rows=slice(start, end),
+                block_rows=_block_rows(tables, kv_heads).view(-1),
+                num_blocks=num_blocks,
+                mask=mask.view(end - start, 1, 1, -1),
+            )
+        )
+        start = end
+    return groups
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: index_copy into the cache, gather by rows, SDPA."""
+    """Reference backend: index_copy into the cache, gather whole blocks, SDPA."""
 
     name = "torch"
 
@@ -109,92 +146,95 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        kv_heads, head_dim = k.shape[1], k.shape[2]
-        rows = self._rows(meta, kv_heads, k_cache.shape[2])
-        k_rows = k_cache.view(-1, head_dim)  # [blocks * KVH * bs, D]
-        v_rows = v_cache.view(-1, head_dim)
-        k_rows.index_copy_(0, rows["write"], k.reshape(-1, head_dim))
-        v_rows.index_copy_(0, rows["write"], v.reshape(-1, head_dim))
+        kv_heads, block_size, head_dim = k_cache.shape[1:]
+        plan = self._plan(meta, kv_heads, block_size)
+        k_cache.view(-1, head_dim).index_copy_(0, plan["write"], k.reshape(-1, head_dim))
+        v_cache.view(-1, head_dim).index_copy_(0, plan["write"], v.reshape(-1, head_dim))
+        k_blocks = k_cache.view(-1, block_size * head_dim)  # [blocks * KVH, bs * D]
+        v_blocks = v_cache.view(-1, block_size * head_dim)
         out = torch.empty_like(q)
-        for i, p in enumerate(meta.prefills):
+        for p, rows in zip(meta.prefills, plan["prefill"], strict=True):
             sl = slice(p.query_start, p.query_start + p.query_len)
-            ctx = rows.get(f"prefill{i}")
-            out[sl] = self._prefill(q[sl], k[sl], v[sl], k_rows, v_rows, ctx, p, scale)
-        if meta.decode is not None:
-            out[meta.num_prefill_tokens :] = self._decode(
-                q[meta.num_prefill_tokens :], k_rows, v_rows, rows["decode"], meta.decode, scale
-            )
+            out[sl] = _prefill(q[sl], k[sl], v[sl], k_blocks, v_blocks, rows, p, scale)
+        start = meta.num_prefill_tokens
+        for g in plan["decode"]:
+            sl = slice(start + g.rows.start, start + g.rows.stop)
+            out[sl] = _decode(q[sl], k_blocks, v_blocks, g, scale)
         return out
 
     @staticmethod
-    def _rows(meta: AttentionMetadata, kv_heads: int, block_size: int) -> dict[str, Any]:
-        rows: dict[str, Any] | None = meta.scratch.get("torch_rows")
-        if rows is None:
-            rows = {"write": cache_rows(meta.slot_mapping, kv_heads, block_size).view(-1)}
-            for i, p in enumerate(meta.prefills):
-                if p.context_slots is not None:
-                    rows[f"prefill{i}"] = cache_rows(p.context_slots, kv_heads, block_size, True)
-            if meta.decode is not None:
-                rows["decode"] = cache_rows(meta.decode.slots, kv_heads, block_size, True)
-            meta.scratch["torch_rows"] = rows
-        return rows
+    def _plan(meta: AttentionMetadata, kv_heads: int, block_size: int) -> dict[str, Any]:
+        plan: dict[str, Any] | None = meta.scratch.get("torch")
+        if plan is None:
+            slots = meta.slot_mapping
+            offsets = slots % block_size
+            # row of (token, head) in the cache viewed as [blocks * KVH * bs, D]
+            base = (slots - offsets) * kv_heads + offsets
+            heads = torch.arange(kv_heads, device=slots.device) * block_size
+            plan = {
+                "write": (base.unsqueeze(1) + heads).view(-1),
+                "prefill": [
+                    _block_rows(p.block_table, kv_heads) if p.context_len > p.query_len else None
+                    for p in meta.prefills
+                ],
+                "decode": _decode_groups(meta.decode, kv_heads, block_size) if meta.decode else [],
+            }
+            meta.scratch["torch"] = plan
+        return plan
 
-    @staticmethod
-    def _prefill(
-        q: torch.Tensor,  # [S, H, D]
-        k: torch.Tensor,  # [S, KVH, D]
-        v: torch.Tensor,
-        k_rows: torch.Tensor,
-        v_rows: torch.Tensor,
-        context_rows: torch.Tensor | None,  # [KVH, C]
-        p: PrefillMeta,
-        scale: float,
-    ) -> torch.Tensor:
-        if context_rows is None:  # no cached prefix: attend to the chunk itself
-            mask = None
-            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, S, D]
-        else:
-            kv_heads, context_len = context_rows.shape
-            k = k_rows.index_select(0, context_rows.view(-1)).view(kv_heads, context_len, -1)
-            v = v_rows.index_select(0, context_rows.view(-1)).view(kv_heads, context_len, -1)
-            # query i sits at absolute position (C - S + i) and sees keys j <= that.
-            offset = p.context_len - p.query_len
-            mask = torch.ones(p.query_len, p.context_len, dtype=torch.bool, device=q.device)
-            mask = mask.tril(diagonal=offset)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [H, S, D]
-            k,  # [KVH, C, D]
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.transpose(0, 1)
 
-    @staticmethod
-    def _decode(
-        q: torch.Tensor,  # [B, H, D]
-        k_rows: torch.Tensor,
-        v_rows: torch.Tensor,
-        rows: torch.Tensor,  # [KVH, B, L]
-        meta: DecodeMeta,
-        scale: float,
-    ) -> torch.Tensor:
-        kv_heads, batch, length = rows.shape
-        head_dim = q.shape[-1]
-        # [KVH, B, L, D] -> [B, KVH, L, D]: each (L, D) slab stays contiguous for SDPA.
-        k = k_rows.index_select(0, rows.view(-1)).view(kv_heads, batch, length, head_dim)
-        v = v_rows.index_select(0, rows.view(-1)).view(kv_heads, batch, length, head_dim)
-        # NOTE: query heads of one KV group ride as G "query positions" of that KV head
-        # (heads h = kv * G + g, as transformers' repeat_kv orders them). With q_len > 1
-        # and no GQA flag, SDPA takes its fused CPU kernel: 4-8x faster than enable_gqa.
-        groups = q.shape[1] // kv_heads
-        out = F.scaled_dot_product_attention(
-            q.view(batch, kv_heads, groups, head_dim),  # [B, KVH, G, D]
-            k.transpose(0, 1),  # [B, KVH, L, D]
-            v.transpose(0, 1),
-            attn_mask=meta.mask,  # [B, 1, 1, L]
-            scale=scale,
-        )
-        return out.reshape(batch, kv_heads * groups, head_dim)
+def _prefill(
+    q: torch.Tensor,  # [S, H, D]
+    k: torch.Tensor,  # [S, KVH, D]
+    v: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    block_rows: torch.Tensor | None,  # [KVH, num_blocks]
+    p: PrefillMeta,
+    scale: float,
+) -> torch.Tensor:
+    if block_rows is None:  # no cached prefix: attend to the chunk itself
+        mask = None
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, S, D]
+    else:
+        kv_heads, head_dim = block_rows.shape[0], q.shape[-1]
+        k = k_blocks.index_select(0, block_rows.view(-1)).view(kv_heads, -1, head_dim)
+        v = v_blocks.index_select(0, block_rows.view(-1)).view(kv_heads, -1, head_dim)
+        k, v = k[:, : p.context_len], v[:, : p.context_len]  # [KVH, C, D]
+        # query i sits at absolute position (C - S + i) and sees keys j <= that.
+        offset = p.context_len - p.query_len
+        mask = torch.ones(p.query_len, p.context_len, dtype=torch.bool, device=q.device)
+        mask = mask.tril(diagonal=offset)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # [H, S, D]
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def _decode(
+    q: torch.Tensor,  # [b, H, D]
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    g: _DecodeGroup,
+    scale: float,
+) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    kv_heads = g.block_rows.numel() // (batch * g.num_blocks)
+    # [KVH, b, L, D] -> [b, KVH, L, D]: each (L, D) slab stays contiguous for SDPA.
+    k = k_blocks.index_select(0, g.block_rows).view(kv_heads, batch, -1, head_dim)
+    v = v_blocks.index_select(0, g.block_rows).view(kv_heads, batch, -1, head_dim)
+    # NOTE: query heads of one KV group ride as G "query positions" of that KV head
+    # (heads h = kv * G + g, as transformers' repeat_kv orders them).
+    groups = num_heads // kv_heads
+    q = q.view(batch, kv_heads, groups, head_dim)  # [b, KVH, G, D]
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [b, KVH, L, D]
+    # Without the GQA flag SDPA takes its fused CPU kernel: 4-8x faster than enable_gqa.
+    # (Two matmuls with a float32 softmax won in isolation for bf16 but lost end to end.)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)

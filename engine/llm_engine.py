@@ -22,7 +22,7 @@ from pdserve.engine.hashing import hash_namespace
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.model import LlamaModel, load_model
 from pdserve.engine.model_config import ModelConfig, load_model_config
-from pdserve.engine.model_runner import ModelRunner, allocate_kv_caches
+from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
 from pdserve.engine.outputs import RequestOutput, TextTracker, make_output
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
@@ -85,7 +85,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.model,
-            allocate_kv_caches(self.model, self.num_kv_blocks, config.block_size, self.device),
+            allocate_kv_cache(self.model, self.num_kv_blocks, config.block_size, self.device),
             config.block_size,
             make_attention_backend(config.attention_backend, self.device),
             Sampler(config.seed, self.device),

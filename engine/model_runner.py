@@ -16,6 +16,7 @@ from pdserve.engine.attention import (
     AttentionMetadata,
     DecodeMeta,
     KVCache,
+    PrefillBatch,
     PrefillMeta,
 )
 from pdserve.engine.model import LlamaModel
@@ -30,32 +31,32 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs]
 
 
-def allocate_kv_caches(
+def allocate_kv_cache(
     model: LlamaModel, num_blocks: int, block_size: int, device: torch.device
-) -> list[KVCache]:
+) -> torch.Tensor:
+    """All layers' KV cache as one tensor [layers, 2, blocks, kv_heads, block_size, D]."""
     cfg = model.config
-    shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=model.dtype, device=device),
-            torch.zeros(shape, dtype=model.dtype, device=device),
-        )
-        for _ in range(cfg.num_layers)
-    ]
+    shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+    return torch.zeros(shape, dtype=model.dtype, device=device)
+
+
+def layer_views(kv_cache: torch.Tensor) -> list[KVCache]:
+    return [(layer[0], layer[1]) for layer in kv_cache]
 
 
 class ModelRunner:
     def __init__(
         self,
         model: LlamaModel,
-        kv_caches: list[KVCache],
+        kv_cache: torch.Tensor,
         block_size: int,
         backend: AttentionBackend,
         sampler: Sampler,
         device: torch.device,
     ) -> None:
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_cache = kv_cache  # [layers, 2, blocks, KVH, bs, D]: what a transfer packs
+        self.kv_caches = layer_views(kv_cache)
         self.block_size = block_size
         self.backend = backend
         self.sampler = sampler
@@ -83,67 +84,67 @@ class ModelRunner:
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[torch.Tensor] = []
+        slots: list[int] = []
         prefills: list[PrefillMeta] = []
         sample_rows: list[int] = []
         sample_items: list[ScheduledSeq] = []
         for item in out.prefills:
             seq, start, n = item.seq, item.start, item.num_new_tokens
-            block_ids = self._tensor([b.block_id for b in seq.blocks])
-            pos = torch.arange(start + n, device=self.device)
-            seq_slots = block_ids[pos // bs] * bs + pos % bs  # [start + n]
-            slots.append(seq_slots[start:])
+            block_ids = [b.block_id for b in seq.blocks[: -(-(start + n) // bs)]]
             query_start = len(tokens)
-            prefills.append(PrefillMeta(query_start, n, start + n, seq_slots if start else None))
+            prefills.append(PrefillMeta(query_start, n, start + n, self._tensor(block_ids)))
             tokens.extend(seq.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
             if item.samples:
                 sample_rows.append(query_start + n - 1)
                 sample_items.append(item)
         num_prefill_tokens = len(tokens)
-        decode_meta = self._decode_meta(out.decodes)
-        for item in out.decodes:
-            pos_i = item.start
-            tokens.append(item.seq.all_token_ids[pos_i])
-            positions.append(pos_i)
+        # Decodes ordered by context length: the torch backend attends to runs of similar
+        # lengths together, padding each run only to its own longest context.
+        decodes = sorted(out.decodes, key=lambda item: item.start)
+        for item in decodes:
+            pos = item.start
+            tokens.append(item.seq.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(item.seq.blocks[pos // bs].block_id * bs + pos % bs)
             if item.samples:  # NOTE: a 1-token prefill chunk rides here and does not sample
                 sample_rows.append(len(tokens) - 1)
                 sample_items.append(item)
-        if out.decodes:
-            slots.append(
-                self._tensor(
-                    [
-                        item.seq.blocks[item.start // bs].block_id * bs + item.start % bs
-                        for item in out.decodes
-                    ]
-                )
-            )
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots),
+            slot_mapping=self._tensor(slots),
             num_prefill_tokens=num_prefill_tokens,
             prefills=prefills,
-            decode=decode_meta,
+            prefill_batch=self._prefill_batch(prefills),
+            decode=self._decode_meta(decodes),
         )
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sample_items
+
+    def _prefill_batch(self, prefills: list[PrefillMeta]) -> PrefillBatch | None:
+        if not prefills or not self.backend.wants_prefill_batch:
+            return None
+        max_blocks = max(p.block_table.numel() for p in prefills)
+        tables = torch.zeros(len(prefills), max_blocks, dtype=torch.int32, device=self.device)
+        for i, p in enumerate(prefills):
+            tables[i, : p.block_table.numel()] = p.block_table
+        starts = [p.query_start for p in prefills] + [sum(p.query_len for p in prefills)]
+        return PrefillBatch(
+            block_tables=tables,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(
+                [p.context_len for p in prefills], dtype=torch.int32, device=self.device
+            ),
+        )
 
     def _decode_meta(self, decodes: list[ScheduledSeq]) -> DecodeMeta | None:
         if not decodes:
             return None
-        bs = self.block_size
         context_lens = [item.start + 1 for item in decodes]
-        max_len = max(context_lens)
-        max_blocks = -(-max_len // bs)
+        max_blocks = -(-context_lens[-1] // self.block_size)
         tables = [[b.block_id for b in item.seq.blocks[:max_blocks]] for item in decodes]
         tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-        block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device)
-        lens = torch.tensor(context_lens, dtype=torch.int32, device=self.device)
-        j = torch.arange(max_len, device=self.device)  # [L]
-        mask = j.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
-        slots = block_tables[:, j // bs].long() * bs + j % bs  # [B, L]
         return DecodeMeta(
-            block_tables=block_tables,
-            context_lens=lens,
-            max_context_len=max_len,
-            slots=slots.masked_fill(~mask, 0),
-            mask=mask.view(len(decodes), 1, 1, max_len),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            context_lens_list=context_lens,
         )
