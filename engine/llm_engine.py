@@ -51,7 +51,7 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             if name == "triton":
                 raise
             return TorchAttentionBackend()
-        return TritonAttentionBackend()  # type: ignore[no-any-return, unused-ignore]
+        return TritonAttentionBackend()
     return TorchAttentionBackend()
 
 

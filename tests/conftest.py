@@ -8,14 +8,23 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pdserve.engine.demo_model import write_demo_model
+
+# NOTE: `triton.jit` decides when a kernel module is imported whether kernels are compiled
+# or interpreted, so the switch is set here, before any test module can import
+# `pdserve.kernels`. Without a GPU the kernels run in Triton's interpreter (DESIGN.md,
+# "Kernels"); TRITON_INTERPRET=1 set by the caller still forces it on a GPU machine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # Large enough that random models do not greedily repeat one token; small enough to stay sane.
