@@ -1,0 +1,491 @@
+"""The KV transfer API: what a prefill worker sends and a decode worker receives.
+
+A transfer moves one request's KV blocks (all layers) from P to D: a `TransferHeader`
+(request id, layout, block hashes, first token, a checksum per block, a lease, the
+cluster token) and a payload, the bytes `kernels/kv_pack.py` produces:
+
+    payload [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]  (layer-major)
+
+Block i's checksum is xxh3-64 over its 2 * num_layers slabs `payload[l, kv, i]`, in
+(layer, kv) order (`block_checksums`).
+
+Who frees what, when (DESIGN.md, "The KV handoff"):
+- The sender owns its payload until `KVSender.send` returns or raises; it never waits
+  longer than `timeout_s`. On success the receiver has verified and buffered the KV; on
+  any error (typed, see `errors.py`) nothing is buffered, and the caller unreferences
+  its blocks either way.
+- The receiver only accepts a request it `expect`s (else `UnknownRequestError`), from a
+  sender with the cluster token, with its own layout. Arriving bytes live in a buffer
+  the receiver owns; a partial transfer (the sender died, the stream broke) is freed at
+  once, or at the latest when its lease ends. Verified KV waits, buffered, until
+  `claim` takes it (then the caller owns it) or its lease ends (then it is freed and
+  the claim fails with `LeaseExpiredError`). `cancel` drops everything of a request.
+- An expectation itself ends after `expect_timeout_s`, so nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from pdserve.kv_transfer.errors import (
+    BadHeaderError,
+    ChecksumMismatchError,
+    DuplicateTransferError,
+    LayoutMismatchError,
+    LeaseExpiredError,
+    PayloadTooLargeError,
+    TransferError,
+    TransferTimeoutError,
+    TruncatedError,
+    UnauthorizedError,
+    UnknownRequestError,
+)
+from pdserve.protos import kv_transfer_pb2 as pb
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+Payload = bytes | bytearray | memoryview | np.ndarray
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of KV blocks; sender and receiver must agree exactly."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ITEMSIZE:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r} (one of {sorted(ITEMSIZE)})")
+
+    @property
+    def slab_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        return self.num_kv_heads * self.block_size * self.head_dim * ITEMSIZE[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        return 2 * self.num_layers * self.slab_bytes
+
+    def to_proto(self) -> pb.KVLayout:
+        return pb.KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.KVLayout) -> KVLayout:
+        try:
+            return cls(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, msg.dtype)
+        except ValueError as exc:
+            raise LayoutMismatchError(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class TransferHeader:
+    request_id: str
+    model_id: str
+    layout: KVLayout
+    block_checksums: tuple[int, ...]
+    block_hashes: tuple[bytes, ...] = ()
+    first_block_index: int = 0
+    first_token: int = -1
+    first_token_logprob: float = 0.0
+    lease_ms: int = 30_000
+    cluster_token: str = ""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_checksums)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.num_blocks * self.layout.block_bytes
+
+    def to_proto(self) -> pb.TransferHeader:
+        return pb.TransferHeader(
+            request_id=self.request_id,
+            model_id=self.model_id,
+            layout=self.layout.to_proto(),
+            num_blocks=self.num_blocks,
+            block_hashes=list(self.block_hashes),
+            first_block_index=self.first_block_index,
+            first_token=self.first_token,
+            first_token_logprob=self.first_token_logprob,
+            block_checksums=list(self.block_checksums),
+            lease_ms=self.lease_ms,
+            cluster_token=self.cluster_token,
+            payload_bytes=self.payload_bytes,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.TransferHeader) -> TransferHeader:
+        """Raises BadHeaderError when the header is inconsistent in itself."""
+        header = cls(
+            request_id=msg.request_id,
+            model_id=msg.model_id,
+            layout=KVLayout.from_proto(msg.layout),
+            block_checksums=tuple(msg.block_checksums),
+            block_hashes=tuple(msg.block_hashes),
+            first_block_index=msg.first_block_index,
+            first_token=msg.first_token,
+            first_token_logprob=msg.first_token_logprob,
+            lease_ms=msg.lease_ms,
+            cluster_token=msg.cluster_token,
+        )
+        if not header.request_id or msg.num_blocks != header.num_blocks:
+            raise BadHeaderError("header lacks a request id or its block counts disagree")
+        if msg.payload_bytes != header.payload_bytes:
+            raise BadHeaderError(
+                f"payload_bytes {msg.payload_bytes} != {header.num_blocks} blocks of the layout"
+            )
+        return header
+
+
+def as_bytes(payload: Payload) -> np.ndarray:
+    """A flat uint8 view of a payload (no copy)."""
+    if isinstance(payload, np.ndarray):
+        return payload.reshape(-1).view(np.uint8)
+    return np.frombuffer(payload, dtype=np.uint8)
+
+
+def block_checksums(payload: Payload, layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+    """xxh3-64 of each block: its 2 * num_layers slabs in (layer, kv) order."""
+    data = as_bytes(payload)
+    if data.size != num_blocks * layout.block_bytes:
+        raise TruncatedError(
+            f"payload has {data.size} bytes, {num_blocks} blocks need "
+            f"{num_blocks * layout.block_bytes}"
+        )
+    slabs = data.reshape(2 * layout.num_layers, num_blocks, layout.slab_bytes)
+    sums = []
+    for i in range(num_blocks):
+        digest = xxhash.xxh3_64()
+        for j in range(slabs.shape[0]):
+            digest.update(slabs[j, i])
+        sums.append(digest.intdigest())
+    return tuple(sums)
+
+
+def make_header(
+    request_id: str,
+    model_id: str,
+    layout: KVLayout,
+    payload: Payload,
+    cluster_token: str,
+    *,
+    block_hashes: tuple[bytes, ...] = (),
+    first_block_index: int = 0,
+    first_token: int = -1,
+    first_token_logprob: float = 0.0,
+    lease_ms: int = 30_000,
+) -> TransferHeader:
+    """The header of `payload`, its checksums computed."""
+    num_blocks, rest = divmod(as_bytes(payload).size, layout.block_bytes)
+    if rest:
+        raise ValueError(f"payload is not a whole number of {layout.block_bytes}-byte blocks")
+    return TransferHeader(
+        request_id=request_id,
+        model_id=model_id,
+        layout=layout,
+        block_checksums=block_checksums(payload, layout, num_blocks),
+        block_hashes=block_hashes,
+        first_block_index=first_block_index,
+        first_token=first_token,
+        first_token_logprob=first_token_logprob,
+        lease_ms=lease_ms,
+        cluster_token=cluster_token,
+    )
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """Metrics hook: what one transfer moved and how long it took."""
+
+    request_id: str
+    num_bytes: int
+    num_blocks: int
+    seconds: float
+
+
+@dataclass
+class ReceivedKV:
+    """Verified KV handed to the decode side by `claim`; the caller owns `payload`."""
+
+    header: TransferHeader
+    payload: np.ndarray  # uint8, header.payload_bytes long, layout as kv_pack's buffer
+    stats: TransferStats
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    cluster_token: str
+    layout: KVLayout
+    host: str = "127.0.0.1"  # NOTE: never all interfaces unless configured
+    port: int = 0  # 0: any free port
+    max_payload_bytes: int = 8 << 30
+    max_lease_s: float = 60.0
+    expect_timeout_s: float = 60.0
+
+
+@dataclass
+class _Slot:
+    """One expected request: its future result and what the receiver holds for it."""
+
+    future: asyncio.Future[ReceivedKV]
+    timer: asyncio.TimerHandle
+    buffer: np.ndarray | None = None  # in flight or buffered
+    header: TransferHeader | None = None
+    started_s: float = 0.0
+    lease_timer: asyncio.TimerHandle | None = None
+    received: ReceivedKV | None = field(default=None, repr=False)
+
+
+class ReceiverCore:
+    """Backend-independent receiver state, confined to one asyncio event loop.
+
+    A backend calls `begin` when a header arrives (gets a buffer to fill or a typed
+    error to send back), then `finish` when all bytes are in, or `fail` if the stream
+    broke. Decode-side code calls `expect`, `claim` and `cancel`.
+    """
+
+    def __init__(
+        self,
+        config: ReceiverConfig,
+        on_transfer: Callable[[TransferStats], None] | None = None,
+        on_lease_end: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._on_transfer = on_transfer  # metrics hook: every verified transfer
+        self.on_lease_end = on_lease_end  # metrics hook: KV freed because its lease ended
+        self._slots: dict[str, _Slot] = {}
+
+    # -- decode side -------------------------------------------------------------
+
+    def expect(self, request_id: str, timeout_s: float | None = None) -> None:
+        """Announce that KV for `request_id` may arrive; it must within `timeout_s`."""
+        if request_id in self._slots:
+            raise DuplicateTransferError(f"request {request_id!r} is already expected")
+        loop = asyncio.get_running_loop()
+        wait_s = self.config.expect_timeout_s if timeout_s is None else timeout_s
+        timer = loop.call_later(wait_s, self._expire, request_id, "no KV arrived in time")
+        self._slots[request_id] = _Slot(future=loop.create_future(), timer=timer)
+
+    async def claim(self, request_id: str, timeout_s: float) -> ReceivedKV:
+        """Wait (at most `timeout_s`) for the request's verified KV and take ownership.
+
+        Raises the transfer's typed error, `TransferTimeoutError` on timeout, or
+        `UnknownRequestError` if the request is not expected. The request is forgotten
+        either way.
+        """
+        slot = self._slots.get(request_id)
+        if slot is None:
+            raise UnknownRequestError(f"request {request_id!r} is not expected")
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot.future), timeout_s)
+        except TimeoutError:
+            raise TransferTimeoutError(f"no KV for {request_id!r} within {timeout_s}s") from None
+        finally:
+            self._drop(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Forget a request: free whatever arrived or is arriving for it. Idempotent."""
+        slot = self._slots.get(request_id)
+        if slot is not None:
+            _set_error(slot.future, UnknownRequestError(f"request {request_id!r} cancelled"))
+        self._drop(request_id)
+
+    def cancel_all(self) -> None:
+        """Forget every request (receiver shutdown)."""
+        for request_id in list(self._slots):
+            self.cancel(request_id)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests expected, in flight or buffered (0 after every test: leak check)."""
+        return len(self._slots)
+
+    @property
+    def num_buffered_bytes(self) -> int:
+        return sum(s.buffer.size for s in self._slots.values() if s.buffer is not None)
+
+    # -- backend side ------------------------------------------------------------
+
+    def begin(self, header: TransferHeader) -> np.ndarray:
+        """Validate a header and return the buffer its payload goes into.
+
+        Raises UnauthorizedError, LayoutMismatchError, UnknownRequestError,
+        DuplicateTransferError or PayloadTooLargeError; nothing is held then.
+        """
+        cfg = self.config
+        if not hmac.compare_digest(header.cluster_token.encode(), cfg.cluster_token.encode()):
+            raise UnauthorizedError("wrong cluster token")
+        if header.layout != cfg.layout:
+            raise LayoutMismatchError(f"layout {header.layout} != receiver's {cfg.layout}")
+        if header.payload_bytes > cfg.max_payload_bytes:
+            raise PayloadTooLargeError(f"{header.payload_bytes} bytes > {cfg.max_payload_bytes}")
+        slot = self._slots.get(header.request_id)
+        if slot is None or slot.future.done():
+            raise UnknownRequestError(f"request {header.request_id!r} is not expected here")
+        if slot.buffer is not None:
+            raise DuplicateTransferError(f"a transfer for {header.request_id!r} is under way")
+        lease_s = min(header.lease_ms / 1000, cfg.max_lease_s)
+        slot.timer.cancel()  # from here on the lease bounds the wait
+        slot.header, slot.started_s = header, time.monotonic()
+        slot.buffer = np.empty(header.payload_bytes, dtype=np.uint8)
+        slot.lease_timer = asyncio.get_running_loop().call_later(
+            lease_s, self._expire_lease, header.request_id
+        )
+        return slot.buffer
+
+    def finish(self, request_id: str, num_bytes: int) -> TransferStats:
+        """All bytes are in: verify them and hand them to the claimer.
+
+        Raises TruncatedError or ChecksumMismatchError (the data is freed, and the
+        claimer gets the same error).
+        """
+        slot = self._slots.get(request_id)
+        if slot is None or slot.header is None or slot.buffer is None:
+            raise UnknownRequestError(f"no transfer under way for {request_id!r}")
+        header, buffer = slot.header, slot.buffer
+        try:
+            if num_bytes != header.payload_bytes:
+                raise TruncatedError(f"got {num_bytes} of {header.payload_bytes} bytes")
+            sums = block_checksums(buffer, header.layout, header.num_blocks)
+            bad = [
+                i
+                for i, (a, b) in enumerate(zip(sums, header.block_checksums, strict=True))
+                if a != b
+            ]
+            if bad:
+                raise ChecksumMismatchError(f"checksum mismatch in blocks {bad[:8]}")
+        except TransferError as exc:
+            self.fail(request_id, exc)
+            raise
+        stats = TransferStats(
+            request_id, num_bytes, header.num_blocks, time.monotonic() - slot.started_s
+        )
+        slot.future.set_result(ReceivedKV(header, buffer, stats))
+        if self._on_transfer is not None:
+            self._on_transfer(stats)
+        return stats
+
+    def fail(self, request_id: str, error: TransferError) -> None:
+        """A transfer broke: free its bytes and tell the claimer."""
+        slot = self._slots.get(request_id)
+        if slot is not None:
+            self._free(slot)
+            _set_error(slot.future, error)
+
+    # -- internals ---------------------------------------------------------------
+
+    def _expire(self, request_id: str, why: str) -> None:
+        slot = self._slots.get(request_id)
+        if slot is not None:
+            _set_error(slot.future, TransferTimeoutError(f"{request_id!r}: {why}"))
+        self._drop(request_id)
+
+    def _expire_lease(self, request_id: str) -> None:
+        slot = self._slots.get(request_id)
+        if slot is None:
+            return
+        verified = slot.future.done() and slot.future.exception() is None
+        self._free(slot)
+        if verified:  # buffered but never claimed: a late claim learns why it is gone
+            slot.future = asyncio.get_running_loop().create_future()
+            _set_error(slot.future, LeaseExpiredError(f"lease of {request_id!r} ended"))
+        else:
+            _set_error(slot.future, TruncatedError(f"{request_id!r} incomplete at lease end"))
+        # the failed slot stays for a claim to read, until the expectation's own timeout
+        slot.timer.cancel()
+        slot.timer = asyncio.get_running_loop().call_later(
+            self.config.expect_timeout_s, self._drop, request_id
+        )
+        if self.on_lease_end is not None:
+            self.on_lease_end(request_id)
+
+    @staticmethod
+    def _free(slot: _Slot) -> None:
+        slot.buffer = None
+        if slot.lease_timer is not None:
+            slot.lease_timer.cancel()
+            slot.lease_timer = None
+
+    def _drop(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            slot.timer.cancel()
+            self._free(slot)
+
+
+def _set_error(future: asyncio.Future[ReceivedKV], error: TransferError) -> None:
+    if not future.done():
+        future.set_exception(error)
+        future.exception()  # mark retrieved: a claim may never come
+
+
+class KVSender(ABC):
+    """Pushes one request's KV to a receiver's address."""
+
+    @abstractmethod
+    async def send(
+        self, address: str, header: TransferHeader, payload: Payload, timeout_s: float
+    ) -> TransferStats:
+        """Send header + payload; return once the receiver has verified and buffered it.
+
+        Args:
+            address: the receiver's `address` (backend-specific, e.g. "127.0.0.1:5555").
+            header: from `make_header` (checksums of this very payload).
+            payload: `header.payload_bytes` bytes; read-only here, owned by the caller.
+            timeout_s: hard limit for the whole transfer, connection included.
+
+        Raises:
+            TransferError subclasses: the receiver's verdict (UnauthorizedError,
+            ChecksumMismatchError, UnknownRequestError, ...), PeerUnavailableError if it
+            cannot be reached, TransferTimeoutError past `timeout_s`.
+        """
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close every connection this sender holds. Idempotent."""
+
+
+class KVReceiver(ABC):
+    """Accepts pushes on its own endpoint and holds them in a `ReceiverCore`."""
+
+    core: ReceiverCore
+
+    @abstractmethod
+    async def start(self) -> str:
+        """Start listening; return the address senders use."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop listening, drop every connection and every held transfer. Idempotent."""
+
+    def expect(self, request_id: str, timeout_s: float | None = None) -> None:
+        self.core.expect(request_id, timeout_s)
+
+    async def claim(self, request_id: str, timeout_s: float) -> ReceivedKV:
+        return await self.core.claim(request_id, timeout_s)
+
+    def cancel(self, request_id: str) -> None:
+        self.core.cancel(request_id)
+
+    @property
+    def num_pending(self) -> int:
+        return self.core.num_pending

@@ -1,0 +1,216 @@
+"""One conformance suite for every KV transport (loopback, gRPC, UCX).
+
+Each test ends with nothing pending on the receiver and every endpoint closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pdserve.kv_transfer.base import KVLayout, make_header
+from pdserve.kv_transfer.errors import (
+    ChecksumMismatchError,
+    LayoutMismatchError,
+    LeaseExpiredError,
+    PeerUnavailableError,
+    TransferError,
+    TransferTimeoutError,
+    UnauthorizedError,
+    UnknownRequestError,
+)
+
+
+def random_payload(layout: KVLayout, num_blocks: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, num_blocks * layout.block_bytes, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("num_bytes", [1, 1 << 20, 64 << 20], ids=["1block", "1MiB", "64MiB"])
+def test_round_trip_is_byte_exact(transport: Any, dtype: str, num_bytes: int) -> None:
+    layout = transport.layout(dtype)
+    num_blocks = max(1, num_bytes // layout.block_bytes)
+    payload = random_payload(layout, num_blocks)
+
+    async def body() -> None:
+        receiver = transport.make_receiver(transport.config(layout))
+        sender = transport.make_sender()
+        address = await receiver.start()
+        try:
+            receiver.expect("req-1")
+            header = make_header("req-1", "m", layout, payload, transport.token, first_token=42)
+            stats = await sender.send(address, header, payload, timeout_s=30)
+            got = await receiver.claim("req-1", timeout_s=30)
+            assert stats.num_bytes == payload.size and stats.num_blocks == num_blocks
+            assert got.header.first_token == 42 and got.header.num_blocks == num_blocks
+            assert np.array_equal(got.payload, payload)
+            assert receiver.num_pending == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    transport.run(body())
+
+
+def test_sixteen_concurrent_transfers_into_one_receiver(transport: Any) -> None:
+    layout = transport.layout("float16")
+    payloads = [random_payload(layout, 1 + i % 5, seed=i) for i in range(16)]
+
+    async def body() -> None:
+        receiver = transport.make_receiver(transport.config(layout))
+        senders = [transport.make_sender() for _ in range(4)]
+        address = await receiver.start()
+        try:
+            for i in range(16):
+                receiver.expect(f"r{i}")
+            headers = [
+                make_header(f"r{i}", "m", layout, p, transport.token)
+                for i, p in enumerate(payloads)
+            ]
+            sends = [
+                senders[i % 4].send(address, h, p, timeout_s=30)
+                for i, (h, p) in enumerate(zip(headers, payloads, strict=True))
+            ]
+            await asyncio.gather(*sends)
+            for i, p in enumerate(payloads):
+                got = await receiver.claim(f"r{i}", timeout_s=30)
+                assert np.array_equal(got.payload, p)
+            assert receiver.num_pending == 0
+        finally:
+            for sender in senders:
+                await sender.close()
+            await receiver.close()
+
+    transport.run(body())
+
+
+async def _refused(
+    transport: Any,
+    *,
+    corrupt: bool = False,
+    token: str | None = None,
+    layout_dtype: str | None = None,
+    expect: bool = True,
+) -> tuple[TransferError, BaseException | None, int]:
+    """Push one refused transfer; return (sender's error, claim's error, buffered bytes)."""
+    layout = transport.layout("bfloat16")
+    send_layout = transport.layout(layout_dtype) if layout_dtype else layout
+    payload = random_payload(send_layout, 3)
+    receiver = transport.make_receiver(transport.config(layout))
+    sender = transport.make_sender()
+    address = await receiver.start()
+    try:
+        if expect:
+            receiver.expect("req")
+        header = make_header("req", "m", send_layout, payload, token or transport.token)
+        if corrupt:
+            payload = payload.copy()
+            payload[payload.size // 2] ^= 0xFF  # one byte flipped after checksumming
+        with pytest.raises(TransferError) as sent:
+            await sender.send(address, header, payload, timeout_s=30)
+        buffered = receiver.core.num_buffered_bytes
+        claim_error: BaseException | None = None
+        if expect:
+            try:
+                await receiver.claim("req", timeout_s=0.2 if not corrupt else 30)
+            except TransferError as exc:
+                claim_error = exc
+        assert receiver.num_pending == 0
+        return sent.value, claim_error, buffered
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+def test_corrupted_byte_is_refused_on_both_sides(transport: Any) -> None:
+    sent, claimed, buffered = transport.run(_refused(transport, corrupt=True))
+    assert isinstance(sent, ChecksumMismatchError)
+    assert isinstance(claimed, ChecksumMismatchError)  # decode learns at once: falls back
+    assert buffered == 0
+
+
+def test_wrong_cluster_token_is_refused(transport: Any) -> None:
+    sent, claimed, buffered = transport.run(_refused(transport, token="not-the-token"))
+    assert isinstance(sent, UnauthorizedError)
+    assert isinstance(claimed, TransferTimeoutError)  # the real transfer may still come
+    assert buffered == 0
+
+
+def test_layout_mismatch_is_refused(transport: Any) -> None:
+    sent, _, buffered = transport.run(_refused(transport, layout_dtype="float32"))
+    assert isinstance(sent, LayoutMismatchError)
+    assert buffered == 0
+
+
+def test_unknown_request_is_refused(transport: Any) -> None:
+    sent, _, buffered = transport.run(_refused(transport, expect=False))
+    assert isinstance(sent, UnknownRequestError)
+    assert buffered == 0
+
+
+def test_absent_receiver_gives_a_typed_error_in_time(transport: Any) -> None:
+    layout = transport.layout()
+    payload = random_payload(layout, 1)
+
+    async def body() -> None:
+        receiver = transport.make_receiver(transport.config(layout))
+        address = await receiver.start()
+        await receiver.close()  # nobody listens there any more
+        sender = transport.make_sender()
+        header = make_header("req", "m", layout, payload, transport.token)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            with pytest.raises((PeerUnavailableError, TransferTimeoutError)):
+                await sender.send(address, header, payload, timeout_s=2.0)
+        finally:
+            await sender.close()
+        assert loop.time() - start < 2.0 + 0.5
+
+    transport.run(body())
+
+
+def test_unclaimed_kv_is_freed_when_its_lease_ends(transport: Any) -> None:
+    layout = transport.layout()
+    payload = random_payload(layout, 2)
+
+    async def body() -> None:
+        receiver = transport.make_receiver(transport.config(layout))
+        sender = transport.make_sender()
+        address = await receiver.start()
+        lease_ended = asyncio.Event()
+        receiver.core.on_lease_end = lambda request_id: lease_ended.set()
+        try:
+            receiver.expect("req")
+            header = make_header("req", "m", layout, payload, transport.token, lease_ms=100)
+            await sender.send(address, header, payload, timeout_s=30)
+            assert receiver.core.num_buffered_bytes == payload.size
+            await asyncio.wait_for(lease_ended.wait(), timeout=10)
+            assert receiver.core.num_buffered_bytes == 0
+            with pytest.raises(LeaseExpiredError):
+                await receiver.claim("req", timeout_s=1)
+            assert receiver.num_pending == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    transport.run(body())
+
+
+def test_expectation_without_kv_times_out(transport: Any) -> None:
+    async def body() -> None:
+        receiver = transport.make_receiver(transport.config(transport.layout()))
+        await receiver.start()
+        try:
+            receiver.expect("req", timeout_s=0.1)
+            with pytest.raises(TransferTimeoutError):
+                await receiver.claim("req", timeout_s=10)
+            assert receiver.num_pending == 0
+        finally:
+            await receiver.close()
+
+    transport.run(body())
