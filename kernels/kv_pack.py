@@ -42,7 +42,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import JITFunction
+
+from pdserve.kernels._checks import check_device
 
 _MAX_TILE = 4096
 # A same-sized integer view per item size: the copy moves bits, never floating-point values.
@@ -187,12 +188,7 @@ def _check_cache(kv_cache: torch.Tensor) -> None:
             "each block of kv_cache must be one contiguous [num_kv_heads, block_size, head_dim] "
             f"chunk (strides {chunk_strides}); got strides {kv_cache.stride()[3:]}"
         )
-    if isinstance(_kv_pack_kernel, JITFunction) and kv_cache.device.type != "cuda":
-        # Under TRITON_INTERPRET=1 the kernel is an interpreted function that runs on CPU tensors.
-        raise ValueError(
-            f"the Triton kernel needs a CUDA kv_cache, got {kv_cache.device}; "
-            "use ref_kv_pack / ref_kv_unpack on CPU"
-        )
+    check_device(_kv_pack_kernel, "ref_kv_pack / ref_kv_unpack", kv_cache)
 
 
 def _block_ids_on_device(

@@ -45,7 +45,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import JITFunction
+
+from pdserve.kernels._checks import check_attention_inputs, check_device
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -363,27 +364,8 @@ def _check_inputs(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
 ) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, kv_heads, block_size, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    if q.dtype not in _SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(
-            f"q, k_cache, v_cache must share one of {_SUPPORTED_DTYPES}, got "
-            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
-    if k_cache.shape[3] != head_dim or head_dim > _MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim of q ({head_dim}) and cache ({k_cache.shape[3]}) must match "
-            f"and be <= {_MAX_HEAD_DIM}"
-        )
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    check_attention_inputs(q, k_cache, v_cache, _SUPPORTED_DTYPES, _MAX_HEAD_DIM)
+    batch = q.shape[0]
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError(
             f"block_tables must be int32 [batch, max_blocks], got {block_tables.dtype} "
@@ -396,20 +378,15 @@ def _check_inputs(
         )
     if block_tables.shape[0] != batch:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for a batch of {batch}")
-    _check_same_device(q, k_cache, v_cache, block_tables, context_lens)
-
-
-def _check_same_device(*tensors: torch.Tensor) -> None:
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
-    # Under TRITON_INTERPRET=1 the kernel is an interpreted function that runs on CPU tensors.
-    if isinstance(_paged_decode_kernel, JITFunction) and device.type != "cuda":
-        raise ValueError(
-            f"the Triton kernel needs CUDA tensors, got {device}; "
-            "use ref_paged_decode_attention on CPU"
-        )
+    check_device(
+        _paged_decode_kernel,
+        "ref_paged_decode_attention",
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+    )
 
 
 def ref_paged_decode_attention(

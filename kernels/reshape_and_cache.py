@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import JITFunction
+
+from pdserve.kernels._checks import check_device
 
 # Elements one program holds per tensor (kv heads x padded head_dim).
 _MAX_TILE = 4096
@@ -179,16 +180,6 @@ def _check(
             f"k, v, k_cache, v_cache must share one dtype; got {k.dtype}, {v.dtype}, "
             f"{k_cache.dtype}, {v_cache.dtype}"
         )
-    _check_device(k, v, k_cache, v_cache, slot_mapping)
-
-
-def _check_device(*tensors: torch.Tensor) -> None:
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
-    device = devices.pop()
-    # Under TRITON_INTERPRET=1 the kernel is an interpreted function that runs on CPU tensors.
-    if isinstance(_reshape_and_cache_kernel, JITFunction) and device.type != "cuda":
-        raise ValueError(
-            f"the Triton kernel needs CUDA tensors, got {device}; use ref_reshape_and_cache on CPU"
-        )
+    check_device(
+        _reshape_and_cache_kernel, "ref_reshape_and_cache", k, v, k_cache, v_cache, slot_mapping
+    )

@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import JITFunction
+
+from pdserve.kernels._checks import check_device
 
 
 @triton.jit
@@ -144,12 +145,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Te
         )
     if not eps >= 0.0:
         raise ValueError(f"eps must be >= 0; got {eps}")
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
-    # Under TRITON_INTERPRET=1 the kernel is an interpreted function that runs on CPU tensors.
-    if isinstance(_rms_norm_kernel, JITFunction) and x.device.type != "cuda":
-        raise ValueError(f"the Triton kernel needs CUDA tensors, got {x.device}; use ref_rms_norm")
+    check_device(_rms_norm_kernel, "ref_rms_norm", *tensors)
     max_fused_size = 65536 // x.element_size()
     block_h = triton.next_power_of_2(hidden_size)
     if block_h > max_fused_size:

@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import JITFunction
 
 from pdserve.engine.rotary import apply_rotary
+from pdserve.kernels._checks import check_device
 
 _MAX_TILE = 2048
 
@@ -246,11 +246,4 @@ def _check(
             "q, k, cos and sin must share one floating-point dtype; got "
             + ", ".join(str(t.dtype) for t in floats)
         )
-    devices = {t.device for t in (positions, *floats)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
-    # Under TRITON_INTERPRET=1 the kernel is an interpreted function that runs on CPU tensors.
-    if isinstance(_rotary_embedding_kernel, JITFunction) and q.device.type != "cuda":
-        raise ValueError(
-            f"the Triton kernel needs CUDA tensors, got {q.device}; use ref_rotary_embedding"
-        )
+    check_device(_rotary_embedding_kernel, "ref_rotary_embedding", positions, *floats)

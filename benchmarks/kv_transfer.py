@@ -1,0 +1,230 @@
+"""KV transfer throughput of each backend against a raw TCP socket, same bytes, same host.
+
+    python -m pdserve.benchmarks.kv_transfer [--sizes-mib 1 16 256] [--repeats 3]
+
+For 1, 16 and 256 MiB payloads it measures, in one run on 127.0.0.1:
+- raw TCP: `socket.sendall` into `recv_into` of a preallocated buffer, plus a 1-byte ack;
+- every KV backend (gRPC; UCX over TCP; UCX with shared memory), each in its own
+  subprocess (UCX reads its transport list once per process): `KVSender.send` until the
+  receiver has verified every block's checksum and acked, then `claim`;
+and prints GB/s and the ratio to raw TCP. The UCX shared-memory path is also set
+against this machine's memcpy bandwidth (numpy copy, bytes / time).
+It then reports the transfer time of one request's full KV for a 2,048-token prompt of a
+Llama-3-8B-shaped cache (32 layers, 8 kv heads, head dim 128, bf16: 256 MiB), and the
+same with the first 1,536 tokens already on the receiver (only the 32 missing blocks).
+Header checksums (xxh3, computed by the sender before it sends) are timed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pdserve.kv_transfer.base import (
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    ReceiverConfig,
+    make_header,
+)
+
+TOKEN = "bench-token"
+HOST = "127.0.0.1"
+# A Llama-3-8B-shaped cache: 32 layers, 8 kv heads, head dim 128, bf16, 16-token blocks.
+LLAMA3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
+# UCX configurations; each runs in its own process since UCX reads these at start-up.
+BACKENDS: dict[str, dict[str, str]] = {
+    "grpc": {},
+    "ucx-tcp": {"UCX_TLS": "tcp"},
+    "ucx-shm": {"UCX_TLS": "tcp,sm,self"},
+}
+
+
+def _serve_once(server: socket.socket, target: np.ndarray, done: threading.Event) -> None:
+    conn, _ = server.accept()
+    with conn:
+        view, got = target.data, 0
+        while got < target.size:
+            got += conn.recv_into(view[got:], target.size - got)
+        conn.sendall(b"k")
+    done.set()
+
+
+def raw_tcp_seconds(num_bytes: int, repeats: int) -> float:
+    """Best time to push `num_bytes` over a fresh loopback TCP connection and get an ack."""
+    payload = np.random.default_rng(0).integers(0, 256, num_bytes, dtype=np.uint8)
+    target = np.empty(num_bytes, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        with socket.create_server((HOST, 0)) as server:
+            done = threading.Event()
+            thread = threading.Thread(target=_serve_once, args=(server, target, done))
+            thread.start()
+            start = time.perf_counter()
+            with socket.create_connection(server.getsockname()[:2], timeout=60) as client:
+                client.sendall(payload.data)
+                client.recv(1)
+            best = min(best, time.perf_counter() - start)
+            if not done.wait(timeout=60):
+                raise RuntimeError("raw TCP receiver did not finish")
+            thread.join(timeout=60)
+    assert np.array_equal(payload, target)
+    return best
+
+
+def memcpy_bytes_per_s(num_bytes: int = 256 << 20) -> float:
+    src = np.ones(num_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def make_pair(backend: str, layout: KVLayout) -> tuple[KVReceiver, KVSender]:
+    config = ReceiverConfig(cluster_token=TOKEN, layout=layout, host=HOST)
+    if backend == "grpc":
+        from pdserve.kv_transfer.grpc_backend import GrpcReceiver, GrpcSender
+
+        return GrpcReceiver(config), GrpcSender()
+    from pdserve.kv_transfer.ucx_backend import UcxReceiver, UcxSender
+
+    return UcxReceiver(config), UcxSender()
+
+
+def payload_of(layout: KVLayout, num_bytes: int, seed: int = 0) -> np.ndarray:
+    num_blocks = max(1, num_bytes // layout.block_bytes)
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, num_blocks * layout.block_bytes, dtype=np.uint8)
+
+
+async def backend_seconds(backend: str, layout: KVLayout, sizes: list[int], repeats: int) -> dict:
+    """Best seconds per size for send + claim, and the sender's checksum time."""
+    receiver, sender = make_pair(backend, layout)
+    address = await receiver.start()
+    results: dict[str, Any] = {}
+    try:
+        for size in sizes:
+            payload = payload_of(layout, size)
+            start = time.perf_counter()
+            make_header("warm", "m", layout, payload, TOKEN)
+            checksum_s = time.perf_counter() - start
+            best = float("inf")
+            for i in range(repeats + 1):  # the first round warms connections up
+                rid = f"r{size}-{i}"
+                header = make_header(rid, "m", layout, payload, TOKEN)
+                receiver.expect(rid)
+                start = time.perf_counter()
+                await sender.send(address, header, payload, timeout_s=120)
+                got = await receiver.claim(rid, timeout_s=120)
+                elapsed = time.perf_counter() - start
+                if i:
+                    best = min(best, elapsed)
+                assert got.payload.size == payload.size
+            results[str(size)] = {"seconds": best, "checksum_s": checksum_s}
+    finally:
+        await sender.close()
+        await receiver.close()
+    return results
+
+
+def run_backend_subprocess(backend: str, sizes: list[int], repeats: int, layout: str) -> dict:
+    env = {**os.environ, **BACKENDS[backend]}
+    cmd = [
+        sys.executable, "-m", "pdserve.benchmarks.kv_transfer", "--child", backend,
+        "--layout", layout, "--repeats", str(repeats), "--sizes-bytes", *map(str, sizes),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def small_layout() -> KVLayout:
+    return KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
+
+
+def layouts() -> dict[str, Callable[[], KVLayout]]:
+    return {"small": small_layout, "llama3-8b": lambda: LLAMA3_8B}
+
+
+def throughput_table(sizes_mib: list[int], repeats: int) -> None:
+    sizes = [m << 20 for m in sizes_mib]
+    raw = {s: raw_tcp_seconds(s, repeats) for s in sizes}
+    per_backend = {b: run_backend_subprocess(b, sizes, repeats, "small") for b in BACKENDS}
+    memcpy = memcpy_bytes_per_s()
+    print(f"memcpy (numpy copy): {memcpy / 1e9:.2f} GB/s")
+    print("| size | raw TCP GB/s | " + " | ".join(f"{b} GB/s (x raw TCP)" for b in BACKENDS) + " |")
+    print("|---" * (2 + len(BACKENDS)) + "|")
+    for s in sizes:
+        cells = [f"{s >> 20} MiB", f"{s / raw[s] / 1e9:.2f}"]
+        for b in BACKENDS:
+            r = per_backend[b]
+            if "error" in r:
+                cells.append(f"error: {r['error'][:40]}")
+                continue
+            secs = r[str(s)]["seconds"]
+            cells.append(f"{s / secs / 1e9:.2f} ({raw[s] / secs:.2f}x)")
+        print("| " + " | ".join(cells) + " |")
+    shm = per_backend.get("ucx-shm", {})
+    if "error" not in shm and shm:
+        biggest = sizes[-1]
+        rate = biggest / shm[str(biggest)]["seconds"]
+        print(f"ucx-shm at {biggest >> 20} MiB: {rate / memcpy:.2f} of memcpy bandwidth")
+    for b in BACKENDS:
+        r = per_backend[b]
+        if "error" not in r:
+            cs = r[str(sizes[-1])]["checksum_s"]
+            print(f"{b}: sender checksums of {sizes[-1] >> 20} MiB take {cs * 1e3:.0f} ms (apart)")
+
+
+def llama_case(repeats: int) -> None:
+    full = 2048 // LLAMA3_8B.block_size * LLAMA3_8B.block_bytes  # 128 blocks, 256 MiB
+    missing = (2048 - 1536) // LLAMA3_8B.block_size * LLAMA3_8B.block_bytes  # 32 blocks
+    for b in BACKENDS:
+        r = run_backend_subprocess(b, [full, missing], repeats, "llama3-8b")
+        if "error" in r:
+            print(f"llama3-8b 2048 tokens via {b}: error {r['error']}")
+            continue
+        print(
+            f"llama3-8b 2048-token prompt via {b}: full KV ({full >> 20} MiB) "
+            f"{r[str(full)]['seconds'] * 1e3:.0f} ms; with 1536 tokens already there "
+            f"({missing >> 20} MiB sent) {r[str(missing)]['seconds'] * 1e3:.0f} ms"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", choices=sorted(BACKENDS), help=argparse.SUPPRESS)
+    parser.add_argument("--layout", default="small", help=argparse.SUPPRESS)
+    parser.add_argument("--sizes-bytes", type=int, nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        layout = layouts()[args.layout]()
+        result = asyncio.run(
+            backend_seconds(args.child, layout, args.sizes_bytes or [], args.repeats)
+        )
+        print(json.dumps(result))
+        return 0
+    throughput_table(args.sizes_mib, args.repeats)
+    llama_case(args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
