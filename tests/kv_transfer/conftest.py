@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import pytest
 
 from pdserve.kv_transfer.base import KVLayout, KVReceiver, KVSender, ReceiverConfig
+from pdserve.kv_transfer.grpc_backend import GrpcReceiver, GrpcSender
 from pdserve.kv_transfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
 
 T = TypeVar("T")
@@ -50,9 +51,26 @@ def loopback_transport() -> Transport:
     )
 
 
+def grpc_transport() -> Transport:
+    return Transport("grpc", GrpcReceiver, GrpcSender, True)
+
+
 TRANSPORTS: dict[str, Callable[[], Transport]] = {"loopback": loopback_transport}
+TRANSPORTS["grpc"] = grpc_transport
 
 
 @pytest.fixture(params=sorted(TRANSPORTS))
 def transport(request: pytest.FixtureRequest) -> Transport:
+    return TRANSPORTS[request.param]()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`socket_transport`: only the backends that talk over real sockets (no skips)."""
+    if "socket_transport" in metafunc.fixturenames:
+        names = sorted(name for name, make in TRANSPORTS.items() if make().uses_sockets)
+        metafunc.parametrize("socket_transport", names, indirect=True)
+
+
+@pytest.fixture
+def socket_transport(request: pytest.FixtureRequest) -> Transport:
     return TRANSPORTS[request.param]()

@@ -6,12 +6,13 @@ Each test ends with nothing pending on the receiver and every endpoint closed.
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import numpy as np
 import pytest
 
-from pdserve.kv_transfer.base import KVLayout, make_header
+from pdserve.kv_transfer.base import KVLayout, TransferHeader, make_header
 from pdserve.kv_transfer.errors import (
     ChecksumMismatchError,
     LayoutMismatchError,
@@ -211,6 +212,68 @@ def test_expectation_without_kv_times_out(transport: Any) -> None:
                 await receiver.claim("req", timeout_s=10)
             assert receiver.num_pending == 0
         finally:
+            await receiver.close()
+
+    transport.run(body())
+
+
+async def _first(*aws: Any, timeout_s: float) -> None:
+    """Wait until the first of `aws` completes (at most `timeout_s`); cancel the rest."""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def test_sender_killed_mid_stream_frees_the_partial_transfer(socket_transport: Any) -> None:
+    """A real sender process dies (SIGKILL) mid-push: its partial KV is freed, claim fails."""
+    transport = socket_transport
+    layout = transport.layout()
+
+    async def body() -> None:
+        receiver = transport.make_receiver(transport.config(layout))
+        address = await receiver.start()
+        core = receiver.core
+        begun, freed = asyncio.Event(), asyncio.Event()
+        begin, fail = core.begin, core.fail
+
+        def begin_and_tell(header: TransferHeader) -> np.ndarray:
+            buffer = begin(header)
+            begun.set()
+            return buffer
+
+        def fail_and_tell(request_id: str, error: TransferError) -> None:
+            fail(request_id, error)  # the backend saw the stream break
+            freed.set()
+
+        core.begin, core.fail = begin_and_tell, fail_and_tell
+        core.on_lease_end = lambda request_id: freed.set()  # the backstop
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "pdserve.kv_transfer.peer", "--transport"),
+            *(transport.name, "--address", address, "--request-id", "req"),
+            *("--token", transport.token, "--num-bytes", str(1 << 30), "--lease-ms", "20000"),
+            *("--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads)),
+            *("--head-dim", str(layout.head_dim), "--block-size", str(layout.block_size)),
+            *("--dtype", layout.dtype),
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            receiver.expect("req")
+            await _first(begun.wait(), proc.wait(), timeout_s=30)
+            assert begun.is_set(), f"the sender exited ({proc.returncode}) before a push began"
+            assert proc.returncode is None, "the sender finished before it could be killed"
+            proc.kill()
+            await _first(freed.wait(), timeout_s=30)  # the stream break, or the lease at most
+            assert core.num_buffered_bytes == 0
+            with pytest.raises(TransferError):
+                await receiver.claim("req", timeout_s=1)
+            assert receiver.num_pending == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
             await receiver.close()
 
     transport.run(body())
