@@ -1,0 +1,390 @@
+"""The cluster-wide prefix index: which worker holds which KV blocks, kept in Redis.
+
+Workers publish the STORED/REMOVED events of their block pools; the router asks, in one
+round trip, how many leading blocks of a prompt's hash chain each live worker holds
+(DESIGN.md, "Request path" steps 2 and 6). Plain Python: no torch anywhere.
+
+Redis schema, every key prefixed ``pdserve:{model_id}:``:
+
+    block:{hash_hex}          SET  "{worker_id}:{generation}" of each worker holding the block
+    worker:{worker_id}        HASH role, address, generation, load fields; TTL = the lease
+    workers                   SET  worker ids believed live (pruned lazily)
+    generation                STRING counter; INCR gives every registration a new generation
+    registrations             SET  "{worker_id}:{generation}" not yet reaped
+    held:{worker_id}:{gen}    SET  hash_hex the registration published (the reverse index
+                                   that lets reap() find its block entries without SCAN)
+
+Leases and generations: register() takes a fresh generation from one model-wide counter
+(monotonic, so an id is never reused, and no per-worker counter outlives its worker) and
+writes the worker hash with a TTL of ``lease_s``; heartbeat() renews it. A block entry
+counts only while its member's generation equals the ``generation`` field of a live
+worker hash. So when a lease expires (the hash is gone) or a worker restarts and
+registers again (the hash now carries a newer generation), all its old entries stop
+counting at once, even though they still sit in the block sets; a restarted worker gets
+credit only for what it publishes under its new generation. heartbeat() and publish()
+check the generation atomically (Lua) and return False once it is stale: the worker must
+register again and republish its whole cache. Dead entries are removed lazily by match()
+(on the blocks it walks) and fully by reap() (periodically, or deregister()).
+
+NOTE: scripts build worker keys from a prefix instead of declaring them in KEYS, because
+match() discovers workers inside the script. That needs a standalone Redis (or one
+primary), which is what DESIGN.md specifies; Redis Cluster would need hash tags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import redis.asyncio as aioredis
+
+from pdserve.engine.block_pool import KVEvent, KVEventKind
+from pdserve.engine.hashing import BlockHash
+
+__all__ = ["ROLES", "MatchResult", "PrefixIndex", "ReapResult", "WorkerInfo"]
+
+ROLES = ("prefill", "decode")
+_RESERVED_FIELDS = frozenset({"role", "address", "generation"})
+_REAP_BATCH = 512
+
+# KEYS: generation counter, workers set, registrations set, worker key.
+# ARGV: worker_id, lease_ms, field, value, ... (role, address, load).
+_REGISTER_LUA = """
+local gen = redis.call('INCR', KEYS[1])
+redis.call('DEL', KEYS[4])
+redis.call('HSET', KEYS[4], 'generation', gen, unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[4], ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[1] .. ':' .. gen)
+return gen
+"""
+
+# KEYS: worker key. ARGV: generation, lease_ms, field, value, ... (load).
+_HEARTBEAT_LUA = """
+if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return 0 end
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: worker key, held set, block key per op. ARGV: generation, member, then per op
+# '+' (stored) or '-' (removed) and the block's hash_hex. Ops apply in order.
+_PUBLISH_LUA = """
+if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return 0 end
+for j = 3, #KEYS do
+  local op, hex = ARGV[2 * j - 3], ARGV[2 * j - 2]
+  if op == '+' then
+    redis.call('SADD', KEYS[j], ARGV[2])
+    redis.call('SADD', KEYS[2], hex)
+  else
+    redis.call('SREM', KEYS[j], ARGV[2])
+    redis.call('SREM', KEYS[2], hex)
+  end
+end
+return 1
+"""
+
+# KEYS: worker key, workers set. ARGV: worker_id, generation or ''.
+_DEREGISTER_LUA = """
+if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'generation') ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: workers set, then the chain's block keys, first block first.
+# ARGV: worker key prefix, role filter ('' = any).
+# Returns {worker_id, matched_blocks, {field, value, ...}} per live worker of the role.
+_MATCH_LUA = """
+local live_gen, wanted, fields_of = {}, {}, {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local fields = redis.call('HGETALL', ARGV[1] .. id)
+  if #fields == 0 then
+    redis.call('SREM', KEYS[1], id)  -- lease expired
+  else
+    local role
+    for i = 1, #fields, 2 do
+      if fields[i] == 'generation' then live_gen[id] = fields[i + 1] end
+      if fields[i] == 'role' then role = fields[i + 1] end
+    end
+    if ARGV[2] == '' or role == ARGV[2] then
+      wanted[#wanted + 1] = id
+      fields_of[id] = fields
+    end
+  end
+end
+local counts, num_running = {}, #wanted
+for _, id in ipairs(wanted) do counts[id] = 0 end
+for i = 2, #KEYS do
+  if num_running == 0 then break end
+  local num_advanced = 0
+  for _, member in ipairs(redis.call('SMEMBERS', KEYS[i])) do
+    local id, gen = string.match(member, '^(.*):(%d+)$')
+    if id == nil or live_gen[id] ~= gen then
+      redis.call('SREM', KEYS[i], member)  -- dead or stale generation: reap lazily
+    elseif counts[id] == i - 2 then
+      counts[id] = i - 1
+      num_advanced = num_advanced + 1
+    end
+  end
+  num_running = num_advanced
+end
+local out = {}
+for _, id in ipairs(wanted) do out[#out + 1] = {id, counts[id], fields_of[id]} end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker as the index sees it.
+
+    generation is 0 until registered; register() ignores it and returns the new one.
+    load holds integer gauges (e.g. queued_prefill_tokens, running, free_blocks,
+    total_blocks); their names must not be role, address or generation.
+    """
+
+    worker_id: str
+    role: str
+    address: str
+    generation: int = 0
+    load: dict[str, int] = field(default_factory=dict)
+
+
+class MatchResult(NamedTuple):
+    """A live worker and how many leading blocks of the queried chain it holds."""
+
+    worker: WorkerInfo
+    matched_blocks: int
+
+
+class ReapResult(NamedTuple):
+    """What reap() removed: dead registrations and their block-set entries."""
+
+    num_registrations: int
+    num_entries: int
+
+
+class PrefixIndex:
+    """Async client of the Redis prefix index of one model (schema: module docstring).
+
+    Args:
+        redis_client: A redis.asyncio client (decode_responses either way).
+        model_id: The model's id; indexes of different models never mix.
+        lease_s: How long a registration lives without a heartbeat.
+
+    Raises:
+        ValueError: model_id is empty or lease_s is under 1 ms.
+    """
+
+    def __init__(self, redis_client: aioredis.Redis, model_id: str, lease_s: float = 10.0):
+        if not model_id:
+            raise ValueError("model_id must be non-empty")
+        if lease_s < 0.001:
+            raise ValueError(f"lease_s must be >= 0.001, got {lease_s}")
+        self._redis = redis_client
+        self.model_id = model_id
+        self.lease_ms = int(lease_s * 1000)
+        self._prefix = f"pdserve:{model_id}:"
+        self._register = redis_client.register_script(_REGISTER_LUA)
+        self._heartbeat = redis_client.register_script(_HEARTBEAT_LUA)
+        self._publish = redis_client.register_script(_PUBLISH_LUA)
+        self._deregister = redis_client.register_script(_DEREGISTER_LUA)
+        self._match = redis_client.register_script(_MATCH_LUA)
+
+    def key(self, suffix: str) -> str:
+        """Returns the full Redis key for a schema suffix, e.g. key("workers")."""
+        return self._prefix + suffix
+
+    async def register(self, worker: WorkerInfo) -> int:
+        """Registers (or re-registers) a worker under a fresh generation; one round trip.
+
+        Returns:
+            The new generation: pass it to heartbeat(), publish() and deregister().
+
+        Raises:
+            ValueError: Empty worker_id, unknown role, or a bad load field.
+
+        Side effects: a previous registration of the same id becomes stale at once, so
+        none of its block entries count until the worker republishes.
+        """
+        if not worker.worker_id:
+            raise ValueError("worker_id must be non-empty")
+        if worker.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {worker.role!r}")
+        fields = ["role", worker.role, "address", worker.address, *_load_args(worker.load)]
+        keys = [self.key(s) for s in ("generation", "workers", "registrations")]
+        keys.append(self._worker_key(worker.worker_id))
+        generation = await self._register(keys, [worker.worker_id, self.lease_ms, *fields])
+        return int(generation)
+
+    async def heartbeat(self, worker_id: str, generation: int, load: Mapping[str, int]) -> bool:
+        """Renews the lease and updates load fields, atomically; one round trip.
+
+        Returns:
+            False if the registration expired or was superseded; nothing was written and
+            the worker must register() again and republish its cache.
+
+        Raises:
+            ValueError: A load field is reserved or not an int.
+        """
+        args = [generation, self.lease_ms, *_load_args(load)]
+        return bool(await self._heartbeat([self._worker_key(worker_id)], args))
+
+    async def publish(self, worker_id: str, generation: int, events: Sequence[KVEvent]) -> bool:
+        """Applies a worker's block-pool events in order; one round trip, atomic.
+
+        STORED adds "worker_id:generation" to each block's set, REMOVED takes it out.
+
+        Returns:
+            False if the registration is gone or stale; nothing was written (re-register
+            and republish).
+        """
+        keys = [self._worker_key(worker_id), self._held_key(worker_id, generation)]
+        args: list[str | int] = [generation, f"{worker_id}:{generation}"]
+        for event in events:
+            op = "+" if event.kind is KVEventKind.STORED else "-"
+            for block_hash in event.block_hashes:
+                keys.append(self._block_key(block_hash.hex()))
+                args += [op, block_hash.hex()]
+        return bool(await self._publish(keys, args))
+
+    async def deregister(self, worker_id: str, generation: int | None = None) -> bool:
+        """Removes a worker now (graceful shutdown) and reaps its entries.
+
+        Args:
+            generation: If given, only that registration is removed, so a late call from
+                an old process cannot remove its restarted successor.
+
+        Returns:
+            Whether a registration was removed.
+        """
+        keys = [self._worker_key(worker_id), self.key("workers")]
+        removed = await self._deregister(
+            keys, [worker_id, "" if generation is None else generation]
+        )
+        await self._reap(only_worker_id=worker_id)
+        return bool(removed)
+
+    async def live_workers(self, role: str | None = None) -> list[WorkerInfo]:
+        """Returns the live workers (of one role, if given), sorted by id; one round trip."""
+        return [result.worker for result in (await self.match([], role)).values()]
+
+    async def match(
+        self, block_hashes: Sequence[BlockHash], role: str | None = None
+    ) -> dict[str, MatchResult]:
+        """Counts, per live worker, the leading blocks of a hash chain it holds.
+
+        One round trip (a Lua script). Counting stops at a worker's first missing block.
+        Entries of expired or superseded registrations never count; those met on the
+        walked blocks are removed on the way.
+
+        Args:
+            block_hashes: A prompt's chained full-block hashes, first block first.
+            role: "prefill" or "decode" to see only that pool; None for all.
+
+        Returns:
+            worker_id -> MatchResult for every live worker of the role, sorted by id;
+            a worker holding none of the chain has matched_blocks 0.
+        """
+        keys = [self.key("workers"), *(self._block_key(h.hex()) for h in block_hashes)]
+        rows = await self._match(keys, [self.key("worker:"), role or ""])
+        results = [_match_result(row) for row in rows]
+        return {r.worker.worker_id: r for r in sorted(results, key=lambda r: r.worker.worker_id)}
+
+    async def reap(self) -> ReapResult:
+        """Removes every block entry of expired or superseded registrations.
+
+        Meant for a periodic task; cost is proportional to the dead entries, in batches
+        of pipelined commands, so Redis never blocks on one long script.
+        """
+        return await self._reap(only_worker_id=None)
+
+    async def _reap(self, only_worker_id: str | None) -> ReapResult:
+        members = [_text(m) for m in await self._redis.smembers(self.key("registrations"))]
+        regs = [_split_member(m) for m in members]
+        if only_worker_id is not None:
+            regs = [reg for reg in regs if reg[0] == only_worker_id]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id, _ in regs:
+                pipe.hget(self._worker_key(worker_id), "generation")
+            live_gens = await pipe.execute()
+        # NOTE: a dead registration never comes back (generations only grow; publish
+        # checks liveness atomically), so reaping it races with nothing.
+        dead = [reg for reg, gen in zip(regs, live_gens, strict=True) if _int(gen) != reg[1]]
+        num_entries = 0
+        for worker_id, generation in dead:
+            num_entries += await self._reap_registration(worker_id, generation)
+        return ReapResult(len(dead), num_entries)
+
+    async def _reap_registration(self, worker_id: str, generation: int) -> int:
+        held_key = self._held_key(worker_id, generation)
+        member = f"{worker_id}:{generation}"
+        num_entries = 0
+        batch: list[str] = []
+        async for hash_hex in self._redis.sscan_iter(held_key, count=_REAP_BATCH):
+            batch.append(_text(hash_hex))
+            if len(batch) >= _REAP_BATCH:
+                num_entries += await self._srem_entries(batch, member)
+                batch = []
+        num_entries += await self._srem_entries(batch, member)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.delete(held_key)
+            pipe.srem(self.key("registrations"), member)
+            await pipe.execute()
+        return num_entries
+
+    async def _srem_entries(self, hashes_hex: Iterable[str], member: str) -> int:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for hash_hex in hashes_hex:
+                pipe.srem(self._block_key(hash_hex), member)
+            return sum(await pipe.execute())
+
+    def _worker_key(self, worker_id: str) -> str:
+        return self._prefix + "worker:" + worker_id
+
+    def _block_key(self, hash_hex: str) -> str:
+        return self._prefix + "block:" + hash_hex
+
+    def _held_key(self, worker_id: str, generation: int) -> str:
+        return f"{self._prefix}held:{worker_id}:{generation}"
+
+
+def _load_args(load: Mapping[str, int]) -> list[str | int]:
+    """Flattens load gauges into HSET arguments; raises ValueError for a bad field."""
+    args: list[str | int] = []
+    for name, value in load.items():
+        if name in _RESERVED_FIELDS or not name:
+            raise ValueError(f"load field name {name!r} is empty or reserved")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"load field {name!r} must be an int, got {value!r}")
+        args += [name, value]
+    return args
+
+
+def _match_result(row: Sequence[Any]) -> MatchResult:
+    worker_id, matched_blocks, flat = row
+    fields = {_text(k): _text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)}
+    worker = WorkerInfo(
+        worker_id=_text(worker_id),
+        role=fields.pop("role"),
+        address=fields.pop("address"),
+        generation=int(fields.pop("generation")),
+        load={name: int(value) for name, value in fields.items()},
+    )
+    return MatchResult(worker, int(matched_blocks))
+
+
+def _split_member(member: str) -> tuple[str, int]:
+    """Splits "worker_id:generation"; the id may itself contain ':'."""
+    worker_id, _, generation = member.rpartition(":")
+    return worker_id, int(generation)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _int(value: bytes | str | None) -> int | None:
+    return None if value is None else int(value)
