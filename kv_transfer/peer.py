@@ -25,6 +25,10 @@ def make_sender(name: str) -> KVSender:
         from pdserve.kv_transfer.grpc_backend import GrpcSender
 
         return GrpcSender()
+    if name == "ucx":
+        from pdserve.kv_transfer.ucx_backend import UcxSender
+
+        return UcxSender()
     raise ValueError(f"unknown transport {name!r}")
 
 

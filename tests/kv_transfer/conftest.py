@@ -59,6 +59,15 @@ TRANSPORTS: dict[str, Callable[[], Transport]] = {"loopback": loopback_transport
 TRANSPORTS["grpc"] = grpc_transport
 
 
+def ucx_transport() -> Transport:
+    from pdserve.kv_transfer.ucx_backend import UcxReceiver, UcxSender
+
+    return Transport("ucx", UcxReceiver, UcxSender, True)
+
+
+TRANSPORTS["ucx"] = ucx_transport
+
+
 @pytest.fixture(params=sorted(TRANSPORTS))
 def transport(request: pytest.FixtureRequest) -> Transport:
     return TRANSPORTS[request.param]()
