@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.kv_transfer import make_receiver, make_sender
 from pdserve.kv_transfer.base import (
     KVLayout,
     KVReceiver,
@@ -96,13 +97,8 @@ def memcpy_bytes_per_s(num_bytes: int = 256 << 20) -> float:
 
 def make_pair(backend: str, layout: KVLayout) -> tuple[KVReceiver, KVSender]:
     config = ReceiverConfig(cluster_token=TOKEN, layout=layout, host=HOST)
-    if backend == "grpc":
-        from pdserve.kv_transfer.grpc_backend import GrpcReceiver, GrpcSender
-
-        return GrpcReceiver(config), GrpcSender()
-    from pdserve.kv_transfer.ucx_backend import UcxReceiver, UcxSender
-
-    return UcxReceiver(config), UcxSender()
+    name = backend.split("-")[0]  # ucx-tcp and ucx-shm differ only in their environment
+    return make_receiver(name, config), make_sender(name)
 
 
 def payload_of(layout: KVLayout, num_bytes: int, seed: int = 0) -> np.ndarray:

@@ -15,21 +15,9 @@ import sys
 
 import numpy as np
 
-from pdserve.kv_transfer.base import KVLayout, KVSender, TransferHeader, block_checksums
+from pdserve.kv_transfer import make_sender
+from pdserve.kv_transfer.base import KVLayout, TransferHeader, block_checksums
 from pdserve.kv_transfer.errors import TransferError
-
-
-def make_sender(name: str) -> KVSender:
-    """A sender of the named transport (imported lazily: each pulls its own library)."""
-    if name == "grpc":
-        from pdserve.kv_transfer.grpc_backend import GrpcSender
-
-        return GrpcSender()
-    if name == "ucx":
-        from pdserve.kv_transfer.ucx_backend import UcxSender
-
-        return UcxSender()
-    raise ValueError(f"unknown transport {name!r}")
 
 
 def zeros_header(args: argparse.Namespace, layout: KVLayout) -> TransferHeader:
