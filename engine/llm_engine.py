@@ -20,6 +20,7 @@ from pdserve.engine.demo_model import resolve_model
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.hashing import hash_namespace
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.kv_handoff import KVExport, export_kv, import_prefilled
 from pdserve.engine.model import LlamaModel, load_model
 from pdserve.engine.model_config import ModelConfig, load_model_config
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
@@ -96,6 +97,7 @@ class LLMEngine:
         )
         self._namespace = hash_namespace(self.model_id, config.cache_salt)
         self._seqs: dict[str, Sequence] = {}
+        self._held: dict[str, Sequence] = {}  # finished prefills keeping their blocks
         self._trackers: dict[str, TextTracker] = {}
 
     def _size_kv_pool(self) -> tuple[int, int]:
@@ -131,24 +133,82 @@ class LLMEngine:
         params: SamplingParams,
         stream: bool = False,
         arrival_s: float | None = None,
+        hold_kv: bool = False,
     ) -> Sequence:
-        """Queue a request. Raises InvalidRequestError for a bad prompt or a duplicate id."""
-        if request_id in self._seqs:
+        """Queue a request. Raises InvalidRequestError for a bad prompt or a duplicate id.
+
+        `hold_kv` (prefill role): once finished, the request keeps its blocks for
+        `export_kv` until `release_kv`.
+        """
+        seq = self._new_sequence(request_id, prompt, params, arrival_s)
+        seq.hold_kv = hold_kv
+        self._track(seq, stream)
+        self.scheduler.add(seq)
+        return seq
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        first_token: int,
+        params: SamplingParams,
+        payload: torch.Tensor,
+        first_block: int = 0,
+        stream: bool = False,
+    ) -> RequestOutput:
+        """Decode role: admit a request whose prompt KV was computed elsewhere.
+
+        Blocks before `first_block` must still be in this engine's prefix cache; `payload`
+        (kv_pack's layout) holds the rest of the prompt's blocks. Returns the output of
+        the first token. Raises KVImportError (nothing held) when the KV cannot be used:
+        the caller then prefills the request locally instead.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params, None)
+        import_prefilled(
+            seq, payload, first_block, self.kv_manager, self.runner.kv_cache, self.scheduler
+        )
+        self._track(seq, stream)
+        seq.append_token(first_token)
+        reason = self.scheduler.stop_reason(seq, first_token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._output(seq, [first_token], seq.is_finished)
+
+    def export_kv(self, request_id: str, first_block: int = 0) -> KVExport:
+        """Prefill role: the prompt KV of a finished `hold_kv` request, from `first_block`."""
+        seq = self._held.get(request_id)
+        if seq is None:
+            raise InvalidRequestError(f"request {request_id!r} holds no KV here")
+        return export_kv(seq, self.runner.kv_cache, self.config.block_size, first_block)
+
+    def release_kv(self, request_id: str) -> None:
+        """Prefill role: drop a held request's blocks (they stay in the prefix cache)."""
+        seq = self._held.pop(request_id, None)
+        if seq is not None:
+            self.kv_manager.free(seq)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        arrival_s: float | None,
+    ) -> Sequence:
+        if request_id in self._seqs or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        token_ids = self._prompt_token_ids(prompt)
-        seq = Sequence(
+        return Sequence(
             request_id=request_id,
-            prompt_token_ids=token_ids,
+            prompt_token_ids=self._prompt_token_ids(prompt),
             params=params,
             eos_token_ids=self.eos_token_ids,
             hash_namespace=self._namespace,
             arrival_s=time.monotonic() if arrival_s is None else arrival_s,
         )
-        self._seqs[request_id] = seq
-        if stream or params.stop:
-            self._trackers[request_id] = TextTracker(self.tokenizer, seq)
-        self.scheduler.add(seq)
-        return seq
+
+    def _track(self, seq: Sequence, stream: bool) -> None:
+        self._seqs[seq.request_id] = seq
+        if stream or seq.params.stop:
+            self._trackers[seq.request_id] = TextTracker(self.tokenizer, seq)
 
     def _prompt_token_ids(self, prompt: str | Seq[int]) -> list[int]:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -171,6 +231,11 @@ class LLMEngine:
         """Cancel requests (any state); their blocks are freed at once."""
         for seq in self.scheduler.abort(request_ids):
             self._release(seq)
+
+    @property
+    def hash_namespace(self) -> bytes:
+        """What this engine's block hashes are salted with (model id, cache salt)."""
+        return self._namespace
 
     @property
     def has_unfinished(self) -> bool:
@@ -224,6 +289,8 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
+        if seq.hold_kv and seq.finish_reason is not FinishReason.ABORT:
+            self._held[seq.request_id] = seq
         self._trackers.pop(seq.request_id, None)
         self.runner.sampler.release(seq.request_id)
 

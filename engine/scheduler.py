@@ -157,13 +157,14 @@ class Scheduler:
             if token_id is None:
                 continue
             seq.append_token(token_id)
-            reason = self._stop_reason(seq, token_id)
+            reason = self.stop_reason(seq, token_id)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+    def stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        """Why `seq` stops after appending `token_id`, or None to go on."""
         params = seq.params
         if token_id in params.stop_token_ids:
             return FinishReason.STOP
@@ -176,14 +177,17 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End `seq` (any state) and free its blocks. Idempotent."""
+        """End `seq` (any state) and free its blocks, unless it holds them for a transfer
+        (`hold_kv`): then the caller frees them with `kv.free` once the KV is shipped.
+        Idempotent."""
         if seq.is_finished:
             return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        if not seq.hold_kv or reason is FinishReason.ABORT:
+            self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

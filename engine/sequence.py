@@ -52,6 +52,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    hold_kv: bool = False  # prefill role: keep the blocks referenced after finishing
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
