@@ -1,0 +1,1 @@
+"""The decode role: receive prefilled KV, decode in continuous batches, stream tokens."""

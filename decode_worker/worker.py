@@ -1,0 +1,86 @@
+"""A decode worker: takes a prefill worker's KV (or prefills itself), streams tokens.
+
+Framework-free (the Ray Serve deployment wraps it). A request expected to arrive with KV
+waits for it at most `kv_wait_timeout_s`; a transfer that fails, arrives late, or cannot
+be admitted (its prefix evicted meanwhile) falls back to local prefill, so the client
+sees the same tokens either way (DESIGN.md, "The KV handoff").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.kv_handoff import KVImportError
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import KVReceiver, ReceivedKV
+from pdserve.kv_transfer.errors import TransferError
+from pdserve.kv_transfer.torch_payload import payload_tensor
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker:
+    def __init__(
+        self, engine: AsyncEngine, receiver: KVReceiver, kv_wait_timeout_s: float = 10.0
+    ) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self.kv_wait_timeout_s = kv_wait_timeout_s
+        self.num_local_fallbacks = 0
+
+    async def start(self) -> str:
+        """Start the transfer receiver; return its address (announced in the index)."""
+        return await self.receiver.start()
+
+    def expect_kv(self, request_id: str) -> None:
+        """Register a request whose KV a prefill worker will push (before it is told to)."""
+        self.receiver.expect(request_id, self.kv_wait_timeout_s)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_expected: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; the first one is prefill's token when KV came."""
+        received = await self._claim(request_id) if kv_expected else None
+
+        def start(engine: LLMEngine) -> RequestOutput | None:
+            if received is not None:
+                header = received.header
+                payload = payload_tensor(received.payload, header.layout)
+                try:
+                    return engine.add_prefilled_request(
+                        request_id,
+                        prompt_token_ids,
+                        header.first_token,
+                        params,
+                        payload,
+                        first_block=header.first_block_index,
+                        stream=True,
+                    )
+                except KVImportError as exc:
+                    logger.warning("%s: arrived KV unusable (%s); prefilling here", request_id, exc)
+            if kv_expected:  # the KV never came, or could not be used
+                self.num_local_fallbacks += 1
+            engine.add_request(request_id, prompt_token_ids, params, stream=True)
+            return None
+
+        release = received.release if received is not None else None
+        async for out in self.engine.stream(request_id, start, on_started=release):
+            yield out
+
+    async def _claim(self, request_id: str) -> ReceivedKV | None:
+        try:
+            return await self.receiver.claim(request_id, self.kv_wait_timeout_s)
+        except TransferError as exc:
+            logger.warning("%s: no usable KV (%s); prefilling here", request_id, exc)
+            return None
+
+    async def close(self) -> None:
+        await self.receiver.close()

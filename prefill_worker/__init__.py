@@ -1,0 +1,1 @@
+"""The prefill role: prefill a prompt, sample its first token, ship its KV to decode."""

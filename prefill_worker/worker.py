@@ -1,0 +1,86 @@
+"""A prefill worker: prompt in, first token out, the prompt's KV pushed to a decode worker.
+
+Framework-free (the Ray Serve deployment wraps it). The request's blocks stay held from
+its prefill until the push ends, then go back to the prefix cache, whatever the outcome
+(DESIGN.md, "The KV handoff": P frees what D never acknowledged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import KVSender, TransferStats, make_header
+from pdserve.kv_transfer.torch_payload import layout_of, payload_bytes
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    num_blocks_sent: int
+    transfer: TransferStats
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        sender: KVSender,
+        cluster_token: str,
+        transfer_timeout_s: float = 30.0,
+        lease_ms: int = 30_000,
+    ) -> None:
+        self.engine = engine
+        self.sender = sender
+        self.cluster_token = cluster_token
+        self.transfer_timeout_s = transfer_timeout_s
+        self.lease_ms = lease_ms
+        self.layout = layout_of(engine.engine.runner.kv_cache)
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        decode_address: str,
+        first_block: int = 0,
+    ) -> PrefillResult:
+        """Prefill, then push blocks `first_block`.. of the prompt to `decode_address`.
+
+        Raises the transfer's typed error (the decode worker then prefills locally).
+        """
+        # Prefill samples exactly the first token, as the request would (same seed, filters).
+        first_params = dataclasses.replace(params, max_tokens=1, ignore_eos=True, stop=())
+
+        def start(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt_token_ids, first_params, hold_kv=True)
+
+        first_token = -1
+        try:
+            async for out in self.engine.stream(request_id, start):
+                first_token = out.token_ids[0]
+            export = await self.engine.call(lambda e: e.export_kv(request_id, first_block))
+            payload = payload_bytes(export.payload)
+            header = await asyncio.to_thread(  # checksums: CPU work, off the loop
+                make_header,
+                request_id,
+                self.engine.engine.model_id,
+                self.layout,
+                payload,
+                self.cluster_token,
+                block_hashes=export.block_hashes,
+                first_block_index=first_block,
+                first_token=first_token,
+                lease_ms=self.lease_ms,
+            )
+            stats = await self.sender.send(
+                decode_address, header, payload, timeout_s=self.transfer_timeout_s
+            )
+        finally:
+            await self.engine.call(lambda e: e.release_kv(request_id))
+        return PrefillResult(request_id, first_token, header.num_blocks, stats)
