@@ -205,16 +205,21 @@ def _prefill(
         offset = p.context_len - p.query_len
         mask = torch.ones(p.query_len, p.context_len, dtype=torch.bool, device=q.device)
         mask = mask.tril(diagonal=offset)
+    groups = q.shape[1] // k.shape[0]
+    if groups > 1:
+        # NOTE: enable_gqa sends SDPA down its unfused math path on CPU (bmm + softmax,
+        # 3-5x slower for a prompt); repeating K/V per query head keeps the fused kernel.
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    # NOTE: 4-D inputs: SDPA's fused CPU kernel does not take 3-D ones.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),  # [H, S, D]
-        k,
-        v,
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, S, D]
+        k.unsqueeze(0),  # [1, H, C, D]
+        v.unsqueeze(0),
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
-        enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _decode(
