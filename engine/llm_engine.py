@@ -292,7 +292,6 @@ class LLMEngine:
         if seq.hold_kv and seq.finish_reason is not FinishReason.ABORT:
             self._held[seq.request_id] = seq
         self._trackers.pop(seq.request_id, None)
-        self.runner.sampler.release(seq.request_id)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -1,8 +1,10 @@
 """Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
 
-A seeded request draws from its own `torch.Generator`, so its tokens depend on its seed
-alone, never on the other requests in the batch. Unseeded random requests share the
-engine's generator.
+A seeded request draws each token from a generator seeded by (seed, position), so its
+tokens depend on its seed alone: not on the other requests in its batch, not on a
+preemption, and not on which worker samples which token (a prefill worker samples the
+first token, a decode worker the rest). Unseeded random requests share the engine's
+generator.
 """
 
 from __future__ import annotations
@@ -26,23 +28,21 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
         self._generator = torch.Generator(device=device).manual_seed(seed)
-        self._request_generators: dict[str, torch.Generator] = {}
-
-    def release(self, request_id: str) -> None:
-        """Forget a finished request's generator."""
-        self._request_generators.pop(request_id, None)
 
     def __call__(
-        self, logits: torch.Tensor, request_ids: Seq[str], params: Seq[SamplingParams]
+        self, logits: torch.Tensor, positions: Seq[int], params: Seq[SamplingParams]
     ) -> SamplerOutput:
-        """Sample one token per row of `logits` [N, vocab] (float32)."""
+        """Sample one token per row of `logits` [N, vocab] (float32).
+
+        `positions[i]` is the position in its sequence of the token row i samples.
+        """
         token_ids = logits.argmax(dim=-1)  # [N]; right for every greedy row
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             sampled = self._sample_rows(
                 logits.index_select(0, rows),
-                [request_ids[i] for i in random_rows],
+                [positions[i] for i in random_rows],
                 [params[i] for i in random_rows],
             )
             token_ids = token_ids.index_copy(0, rows, sampled)
@@ -50,7 +50,7 @@ class Sampler:
         return SamplerOutput(ids, self._logprobs(logits, ids, params))
 
     def _sample_rows(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self, logits: torch.Tensor, positions: list[int], params: list[SamplingParams]
     ) -> torch.Tensor:
         vocab = logits.shape[-1]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
@@ -64,19 +64,17 @@ class Sampler:
         drop = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
         probs = probs.masked_fill(drop, 0.0)
         picks = [
-            torch.multinomial(probs[i], 1, generator=self._generator_for(rid, p))
-            for i, (rid, p) in enumerate(zip(request_ids, params, strict=True))
+            torch.multinomial(probs[i], 1, generator=self._generator_for(pos, p))
+            for i, (pos, p) in enumerate(zip(positions, params, strict=True))
         ]
         return sorted_ids.gather(1, torch.stack(picks)).squeeze(1)
 
-    def _generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def _generator_for(self, position: int, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
             return self._generator
-        gen = self._request_generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
-            self._request_generators[request_id] = gen
-        return gen
+        # Fibonacci hashing spreads (seed, position) over the 64-bit seed space.
+        seed = (params.seed * 0x9E3779B97F4A7C15 + position) & 0xFFFF_FFFF_FFFF_FFFF
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     @staticmethod
     def _logprobs(

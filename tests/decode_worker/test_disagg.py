@@ -43,10 +43,14 @@ def new_engine(model_dir: Path) -> LLMEngine:
     return LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=8, num_kv_blocks=64))
 
 
-def colocated_tokens(model_dir: Path) -> list[list[int]]:
+def seeded(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True)
+
+
+def colocated_tokens(model_dir: Path, sampled: bool = False) -> list[list[int]]:
     eng = new_engine(model_dir)
     for i, prompt in enumerate(prompts()):
-        eng.add_request(f"r{i}", prompt, GREEDY)
+        eng.add_request(f"r{i}", prompt, seeded(i) if sampled else GREEDY)
     done: dict[str, list[int]] = {}
     while eng.has_unfinished:
         for out in eng.step():
@@ -61,7 +65,9 @@ async def collect(stream: Any) -> list[int]:
     return tokens
 
 
-async def serve_all(model_dir: Path, push: bool) -> tuple[list[list[int]], int, list[int]]:
+async def serve_all(
+    model_dir: Path, push: bool, sampled: bool = False
+) -> tuple[list[list[int]], int, list[int]]:
     hub = LoopbackHub()
     p_async, d_async = AsyncEngine(new_engine(model_dir)), AsyncEngine(new_engine(model_dir))
     layout = layout_of(d_async.engine.runner.kv_cache)
@@ -73,11 +79,11 @@ async def serve_all(model_dir: Path, push: bool) -> tuple[list[list[int]], int, 
     results, sent = [], []
     try:
         for i, prompt in enumerate(prompts()):  # dual dispatch, as the router will
-            rid = f"r{i}"
+            rid, params = f"r{i}", seeded(i) if sampled else GREEDY
             decode.expect_kv(rid)
-            stream = collect(decode.generate(rid, prompt, GREEDY, kv_expected=True))
+            stream = collect(decode.generate(rid, prompt, params, kv_expected=True))
             if push:
-                pushed = prefill.prefill(rid, prompt, GREEDY, address)
+                pushed = prefill.prefill(rid, prompt, params, address)
                 tokens, result = await asyncio.gather(stream, pushed)
                 assert tokens[0] == result.first_token
                 sent.append(result.num_blocks_sent)
@@ -105,3 +111,12 @@ def test_missing_prefill_falls_back_to_local_prefill(model_dir: Path) -> None:
     results, fallbacks, _ = asyncio.run(asyncio.wait_for(serve_all(model_dir, False), 120))
     assert results == colocated_tokens(model_dir)
     assert fallbacks == len(prompts())
+
+
+def test_seeded_sampling_is_the_same_disaggregated(model_dir: Path) -> None:
+    """P samples the first token and D the rest; a seed still fixes every token."""
+    run = serve_all(model_dir, True, sampled=True)
+    results, fallbacks, _ = asyncio.run(asyncio.wait_for(run, 120))
+    assert fallbacks == 0
+    assert results == colocated_tokens(model_dir, sampled=True)
+    assert results != colocated_tokens(model_dir)  # really sampled, not greedy

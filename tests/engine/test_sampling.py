@@ -161,3 +161,17 @@ def test_bad_prompts_are_refused_and_nothing_runs(llm: LLM) -> None:
         llm.generate([PROMPTS[0], [5] * 256], greedy())
     assert not llm.engine.has_unfinished
     llm.engine.block_pool.check_no_leaks()
+
+
+def test_seeded_tokens_survive_preemption(demo_model_dir: Path) -> None:
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=11 + i, ignore_eos=True)
+        for i in range(3)
+    ]
+    roomy = LLM(demo_model_dir, dtype="float32", max_model_len=128)
+    tight = LLM(demo_model_dir, dtype="float32", max_model_len=128, num_kv_blocks=9)
+    expected = [o.token_ids for o in roomy.generate(PROMPTS, params)]
+    got = [o.token_ids for o in tight.generate(PROMPTS, params)]
+    assert tight.engine.scheduler.stats.num_preemptions > 0
+    assert got == expected
+    tight.engine.block_pool.check_no_leaks()
