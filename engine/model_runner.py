@@ -71,8 +71,8 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))  # [N, vocab] float32
         ids = [item.seq.request_id for item in sample_items]
-        positions = [item.seq.num_tokens for item in sample_items]  # of the sampled token
-        result = self.sampler(logits, positions, [item.seq.params for item in sample_items])
+        sampled_at = [item.seq.num_tokens for item in sample_items]  # the new token's position
+        result = self.sampler(logits, sampled_at, [item.seq.params for item in sample_items])
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp}
         return StepResult(dict(zip(ids, result.token_ids, strict=True)), logprobs)
 
