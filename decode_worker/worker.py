@@ -9,7 +9,9 @@ sees the same tokens either way (DESIGN.md, "The KV handoff").
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.kv_handoff import KVImportError
@@ -46,16 +48,24 @@ class DecodeWorker:
         prompt_token_ids: list[int],
         params: SamplingParams,
         kv_expected: bool = False,
+        info: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; the first one is prefill's token when KV came."""
+        """Stream the request's outputs; the first one is prefill's token when KV came.
+
+        `info`, if given, is filled before the first output: "kv_used" (the pushed KV
+        was admitted), "first_block" (leading blocks taken from this worker's own cache)
+        and "ready_s" (time.monotonic() when the KV was claimed, or the call began).
+        """
         received = await self._claim(request_id) if kv_expected else None
+        info = {} if info is None else info
+        info.update(kv_used=False, first_block=0, ready_s=time.monotonic())
 
         def start(engine: LLMEngine) -> RequestOutput | None:
             if received is not None:
                 header = received.header
                 payload = payload_tensor(received.payload, header.layout)
                 try:
-                    return engine.add_prefilled_request(
+                    first = engine.add_prefilled_request(
                         request_id,
                         prompt_token_ids,
                         header.first_token,
@@ -64,6 +74,8 @@ class DecodeWorker:
                         first_block=header.first_block_index,
                         stream=True,
                     )
+                    info.update(kv_used=True, first_block=header.first_block_index)
+                    return first
                 except KVImportError as exc:
                     logger.warning("%s: arrived KV unusable (%s); prefilling here", request_id, exc)
             if kv_expected:  # the KV never came, or could not be used

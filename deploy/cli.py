@@ -47,6 +47,32 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from pdserve.deploy.config import ClusterConfig
+    from pdserve.deploy.up import run_up
+    from pdserve.engine.demo_model import resolve_model
+
+    config = ClusterConfig(
+        model=str(resolve_model(args.model).resolve()),
+        served_model_name=args.served_model_name,
+        mode=args.mode,
+        transport=args.transport,
+        placement=args.placement,
+        prefill_replicas=args.prefill_replicas,
+        decode_replicas=args.decode_replicas,
+        router_replicas=args.router_replicas,
+        redis_url=args.redis_url or "",
+        transfer_host=args.transfer_host,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        replica_num_cpus=args.replica_cpus,
+    )
+    return run_up(config, args.host, args.port, address=args.address)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +92,32 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=1, help="torch threads")
     gen.set_defaults(func=_generate)
 
+    up = sub.add_parser("up", help="start a serving cluster (OpenAI API) and run until Ctrl-C")
+    _add_model_arg(up)
+    up.add_argument("--served-model-name", default=None, help="model id for clients")
+    up.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
+    up.add_argument("--transport", choices=["grpc", "ucx"], default="grpc")
+    up.add_argument(
+        "--placement", choices=["prefix-aware", "round-robin", "random"], default="prefix-aware"
+    )
+    up.add_argument("--prefill-replicas", type=int, default=1)
+    up.add_argument("--decode-replicas", type=int, default=1)
+    up.add_argument("--router-replicas", type=int, default=1)
+    up.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback)")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument(
+        "--transfer-host", default="127.0.0.1", help="address the KV receivers bind and announce"
+    )
+    up.add_argument("--redis-url", default=None, help="external Redis (default: embedded)")
+    up.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    up.add_argument("--block-size", type=int, default=16)
+    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker")
+    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    up.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")
+    up.set_defaults(func=_up)
+
     demo = sub.add_parser("demo-model", help="write the built-in demo checkpoint to DIR")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
@@ -77,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (EngineError, ValueError) as exc:
+    except (EngineError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -89,6 +89,11 @@ class AsyncEngine:
             if not finished:
                 self._post(lambda: self.engine.abort([request_id]))
 
+    @property
+    def closed(self) -> bool:
+        """The engine thread has stopped (closed, or a step raised)."""
+        return self._closed
+
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 

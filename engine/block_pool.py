@@ -207,6 +207,10 @@ class BlockPool:
         self._events = []
         return events
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash registered in the prefix cache now (to republish a whole index)."""
+        return list(self._cached)
+
     def reset_prefix_cache(self) -> bool:
         """Unregisters every cached block, e.g. after the model weights changed.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.attention import AttentionBackend, TorchAttentionBackend
-from pdserve.engine.block_pool import BlockPool, KVEvent
+from pdserve.engine.block_pool import BlockPool, KVEvent, KVEventKind
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.demo_model import resolve_model
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
@@ -243,6 +243,33 @@ class LLMEngine:
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.block_pool.drain_events()
+
+    def kv_snapshot(self) -> list[KVEvent]:
+        """Every cached block as one STORED event, dropping the pending events.
+
+        For a worker whose index registration was lost: republishing this replaces the
+        event history the index missed.
+        """
+        self.block_pool.drain_events()
+        hashes = tuple(self.block_pool.cached_hashes())
+        return [KVEvent(KVEventKind.STORED, hashes)] if hashes else []
+
+    def load(self) -> dict[str, int]:
+        """Integer load gauges for placement and metrics (names as the index stores them)."""
+        sched = self.scheduler
+        queued = sum(
+            max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+            for seq in (*sched.waiting, *sched.running)
+        )
+        pool = self.block_pool
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "queued_prefill_tokens": queued,
+            "kv_blocks_used": pool.num_blocks - pool.num_free_blocks,
+            "kv_blocks_total": pool.num_blocks,
+            "preemptions": sched.stats.num_preemptions,
+        }
 
     # -- the loop -------------------------------------------------------------------
 

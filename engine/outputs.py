@@ -22,6 +22,9 @@ class RequestOutput:
     new_text: str = ""
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    # time.monotonic() of the request's arrival and first admission (for TTFT breakdowns)
+    arrival_s: float = 0.0
+    first_scheduled_s: float | None = None
 
 
 class TextTracker:
@@ -74,4 +77,6 @@ def make_output(
         new_text=new_text,
         logprobs=list(seq.output_logprobs) if want_logprobs else None,
         num_cached_tokens=seq.num_cached_prompt_tokens,
+        arrival_s=seq.arrival_s,
+        first_scheduled_s=seq.first_scheduled_s,
     )

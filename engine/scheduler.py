@@ -10,6 +10,7 @@ so it later finishes with exactly the tokens it would have produced anyway.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -132,6 +133,8 @@ class Scheduler:
             self.waiting.popleft()
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_prompt_tokens = num_cached
+                if seq.first_scheduled_s is None:
+                    seq.first_scheduled_s = time.monotonic()
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -41,7 +41,8 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     hash_namespace: bytes
-    arrival_s: float = 0.0
+    arrival_s: float = 0.0  # time.monotonic() when added
+    first_scheduled_s: float | None = None  # time.monotonic() of its first admission
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

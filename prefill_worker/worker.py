@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass
 
 from pdserve.engine.async_engine import AsyncEngine
@@ -20,10 +21,17 @@ from pdserve.kv_transfer.torch_payload import layout_of, payload_bytes
 
 @dataclass(frozen=True)
 class PrefillResult:
+    """What one prefill did; the seconds feed the router's TTFT breakdown."""
+
     request_id: str
     first_token: int
     num_blocks_sent: int
     transfer: TransferStats
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # this worker's own prefix-cache hit
+    queue_s: float = 0.0  # arrival here -> first scheduled
+    compute_s: float = 0.0  # first scheduled -> first token sampled
+    pack_s: float = 0.0  # export + checksums, before the first byte is sent
 
 
 class PrefillWorker:
@@ -61,9 +69,17 @@ class PrefillWorker:
             engine.add_request(request_id, prompt_token_ids, first_params, hold_kv=True)
 
         first_token = -1
+        arrived = time.monotonic()
+        queue_s = compute_s = 0.0
+        num_cached = 0
         try:
             async for out in self.engine.stream(request_id, start):
                 first_token = out.token_ids[0]
+                num_cached = out.num_cached_tokens
+                scheduled = out.first_scheduled_s or arrived
+                queue_s = max(scheduled - arrived, 0.0)
+                compute_s = max(time.monotonic() - scheduled, 0.0)
+            packed = time.monotonic()
             export = await self.engine.call(lambda e: e.export_kv(request_id, first_block))
             payload = payload_bytes(export.payload)
             header = await asyncio.to_thread(  # checksums: CPU work, off the loop
@@ -78,9 +94,20 @@ class PrefillWorker:
                 first_token=first_token,
                 lease_ms=self.lease_ms,
             )
+            pack_s = time.monotonic() - packed
             stats = await self.sender.send(
                 decode_address, header, payload, timeout_s=self.transfer_timeout_s
             )
         finally:
             await self.engine.call(lambda e: e.release_kv(request_id))
-        return PrefillResult(request_id, first_token, header.num_blocks, stats)
+        return PrefillResult(
+            request_id,
+            first_token,
+            header.num_blocks,
+            stats,
+            num_prompt_tokens=len(prompt_token_ids),
+            num_cached_tokens=num_cached,
+            queue_s=queue_s,
+            compute_s=compute_s,
+            pack_s=pack_s,
+        )

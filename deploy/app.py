@@ -1,0 +1,55 @@
+"""Builds the Ray Serve application: router ingress, prefill pool, decode pool.
+
+`build_app(config)` is what `pdserve up` runs; `app_builder(args)` is the entry point a
+Serve config file names (`import_path: pdserve.deploy.app:app_builder`, its `args` the
+fields of `ClusterConfig`), so `serve run` / `serve deploy` start the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from ray.serve import Application, Deployment
+
+from pdserve.decode_worker.deployment import DecodeServer
+from pdserve.deploy.config import ClusterConfig
+from pdserve.prefill_worker.deployment import PrefillServer
+from pdserve.router.app import Router
+
+APP_NAME = "pdserve"
+_TARGETED = {"request_router_class": "pdserve.router.request_router:TargetedRequestRouter"}
+
+
+def build_app(config: ClusterConfig) -> Application:
+    from ray import serve
+
+    cfg = config.resolved()
+    args = cfg.model_dump(mode="json")
+    worker_options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": cfg.replica_num_cpus, "num_gpus": cfg.replica_num_gpus},
+        "request_router_config": _TARGETED,
+        # The engine batches internally: many concurrent requests per replica.
+        "max_ongoing_requests": max(cfg.max_num_seqs, 16),
+        "health_check_period_s": 5.0,
+        "graceful_shutdown_timeout_s": 30.0,
+    }
+    decode = cast(Deployment, serve.deployment(DecodeServer)).options(
+        name="Decode", num_replicas=cfg.decode_replicas, **worker_options
+    )
+    prefill_app = None
+    if cfg.mode == "disagg":
+        prefill = cast(Deployment, serve.deployment(PrefillServer)).options(
+            name="Prefill", num_replicas=cfg.prefill_replicas, **worker_options
+        )
+        prefill_app = prefill.bind(args)
+    router = cast(Deployment, Router).options(
+        num_replicas=cfg.router_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=4096,
+    )
+    return router.bind(args, prefill_app, decode.bind(args))
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Entry point for Serve config files (`serve run config.yaml`)."""
+    return build_app(ClusterConfig.model_validate(args))

@@ -1,0 +1,92 @@
+"""What a prefill and a decode replica share: the engine, the index membership, shutdown.
+
+A replica process runs one `LLMEngine` on its own thread (`AsyncEngine`), registers in
+the prefix index under its Ray Serve replica id, heartbeats its load and publishes its
+KV events. On shutdown (scale-down, `serve.shutdown`, SIGTERM) it leaves the index first,
+so placement stops choosing it, then stops the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import redis.asyncio as aioredis
+import torch
+
+from pdserve.deploy.config import ClusterConfig
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.block_pool import KVEvent
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.router.index_member import IndexMember
+from pdserve.router.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+
+def replica_id() -> str:
+    """This process's Ray Serve replica id (the worker id the index and router use)."""
+    from ray import serve
+
+    return str(serve.get_replica_context().replica_id.unique_id)
+
+
+class WorkerReplica:
+    """Base of the two worker deployments; `role` is "prefill" or "decode"."""
+
+    role = ""
+
+    def __init__(self, config: dict[str, Any], worker_id: str | None = None) -> None:
+        self.config = ClusterConfig.model_validate(config)
+        torch.set_num_threads(self.config.num_threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(self.config.num_threads))
+        self.worker_id = worker_id or replica_id()
+        self.engine = AsyncEngine(LLMEngine(self.config.model, self.config.engine_config()))
+        self.redis = aioredis.Redis.from_url(
+            self.config.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0
+        )
+        self.index = PrefixIndex(self.redis, self.config.model_id, self.config.worker_lease_s)
+        self.member: IndexMember | None = None
+
+    async def join_index(self, address: str) -> None:
+        async def load() -> dict[str, int]:
+            return await self.engine.call(lambda e: e.load())
+
+        async def drain() -> list[KVEvent]:
+            return await self.engine.call(lambda e: e.drain_kv_events())
+
+        async def snapshot() -> list[KVEvent]:
+            return await self.engine.call(lambda e: e.kv_snapshot())
+
+        self.member = IndexMember(
+            self.index,
+            self.worker_id,
+            self.role,
+            address,
+            load,
+            drain,
+            snapshot,
+            self.config.heartbeat_s,
+        )
+        await self.member.start()
+
+    async def flush_events(self) -> None:
+        if self.member is not None:
+            await self.member.flush()
+
+    async def load(self) -> dict[str, int]:
+        """The engine's load gauges and this worker's id (for tests and benchmarks)."""
+        load = await self.engine.call(lambda e: e.load())
+        return {**load, "generation": self.member.generation or 0 if self.member else 0}
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: a dead engine thread makes the replica unhealthy."""
+        if self.engine.closed:
+            raise RuntimeError("the engine thread has stopped")
+
+    async def shutdown(self) -> None:
+        if self.member is not None:
+            await self.member.stop()
+        await self.engine.close()
+        await self.redis.aclose()

@@ -1,0 +1,153 @@
+"""`pdserve up`: a whole cluster on this machine (or on an existing Ray cluster).
+
+Starts, in order: an embedded Redis (unless `--redis-url`), Ray (a local head node, or
+joins `--address`), Serve's HTTP proxy on `--host:--port`, and the application (router,
+prefill and decode pools). It reports each stage, waits until every worker has joined
+the prefix index and a one-token completion succeeds, then prints
+`pdserve ready at http://HOST:PORT`. On Ctrl-C or SIGTERM it drains (Serve lets running
+requests finish within the replicas' graceful-shutdown timeout) and stops everything it
+started, leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.deploy.config import ClusterConfig
+from pdserve.deploy.redis_server import EmbeddedRedis
+
+READY_TIMEOUT_S = 600.0
+_POLL_S = 0.25
+
+
+def _say(message: str) -> None:
+    print(f"pdserve: {message}", file=sys.stderr, flush=True)
+
+
+def _http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 10.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    req = urllib.request.Request(url, data=data, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def wait_until_ready(base_url: str, config: ClusterConfig, timeout_s: float) -> None:
+    """Poll /health until every replica joined the index, then run one completion.
+
+    Raises:
+        TimeoutError: the cluster was not ready within timeout_s.
+    """
+    want = {"decode": config.decode_replicas}
+    if config.mode == "disagg":
+        want["prefill"] = config.prefill_replicas
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            health = _http_json(f"{base_url}/health", timeout_s=5.0)
+            last = health.get("workers")
+            if all((last or {}).get(role, 0) >= n for role, n in want.items()):
+                _http_json(
+                    f"{base_url}/v1/completions",
+                    {"model": config.model_id, "prompt": "ready", "max_tokens": 1},
+                    timeout_s=max(deadline - time.monotonic(), 1.0),
+                )
+                return
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            last = exc
+        time.sleep(_POLL_S)
+    raise TimeoutError(f"the cluster was not ready within {timeout_s:g}s (last: {last})")
+
+
+def run_up(
+    config: ClusterConfig,
+    host: str,
+    port: int,
+    address: str | None = None,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+    stop_event: threading.Event | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> int:
+    """Run the cluster until SIGINT/SIGTERM (or `stop_event`); return an exit code."""
+    import ray
+    from ray import serve
+    from ray.serve.schema import LoggingConfig
+
+    from pdserve.deploy.app import APP_NAME, build_app
+
+    stop = stop_event or threading.Event()
+
+    redis_server: EmbeddedRedis | None = None
+    started_ray = False
+    try:
+        if config.redis_url == "":
+            _say("starting the embedded Redis")
+            redis_server = EmbeddedRedis().start()
+            config = config.model_copy(update={"redis_url": redis_server.url})
+        config = config.resolved()
+        replicas = config.decode_replicas + (
+            config.prefill_replicas if config.mode == "disagg" else 0
+        )
+        if address is None:
+            _say("starting a local Ray cluster")
+            needed = int(replicas * config.replica_num_cpus) + 1
+            ray.init(
+                include_dashboard=False,
+                num_cpus=max(os.cpu_count() or 1, needed),
+                logging_level=logging.WARNING,
+            )
+            started_ray = True
+        else:
+            _say(f"joining the Ray cluster at {address}")
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        # Ray installs its own SIGTERM handler (which exits at once): ours replaces it.
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+        serve.start(http_options={"host": host, "port": port})
+        what = f"{config.decode_replicas} decode"
+        if config.mode == "disagg":
+            what = f"{config.prefill_replicas} prefill + {what}"
+        _say(f"deploying {config.model_id} ({config.mode}, {what} replicas, {config.transport})")
+        serve.run(
+            build_app(config),
+            name=APP_NAME,
+            route_prefix="/",
+            blocking=False,
+            logging_config=LoggingConfig(log_level="WARNING", enable_access_log=False),
+        )
+        url = f"http://{host}:{port}"
+        _say("waiting for every worker to join the prefix index")
+        wait_until_ready(url, config, ready_timeout_s)
+        print(f"pdserve ready at {url}", flush=True)
+        if on_ready is not None:
+            on_ready(url)
+        while not stop.wait(1.0):
+            pass
+        _say("shutting down: draining requests")
+        return 0
+    except (TimeoutError, RuntimeError, ValueError, OSError) as exc:
+        _say(f"error: {exc}")
+        return 1
+    finally:
+        if ray.is_initialized():
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+        if started_ray:
+            _say("stopped Ray")
+        if redis_server is not None:
+            redis_server.stop()
+        _say("stopped")

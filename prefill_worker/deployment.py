@@ -1,0 +1,71 @@
+"""The prefill role as a Ray Serve deployment.
+
+Each replica runs its own engine (chunked prefill with a per-step token budget, several
+requests per step, reuse of its own cached prefix), samples the first token, pushes the
+KV blocks the chosen decode worker lacks to that worker's receiver, and publishes its KV
+events to the prefix index. The router calls `prefill` with the decode worker's
+address; `target_replica` is read by `TargetedRequestRouter`, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.deploy.replica import WorkerReplica
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import make_sender
+from pdserve.prefill_worker.worker import PrefillWorker
+
+
+class PrefillServer(WorkerReplica):
+    role = "prefill"
+
+    # Ray Serve awaits an async constructor (type checkers want __init__ to be sync).
+    async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]
+        super().__init__(config)
+        cfg = self.config
+        self.worker = PrefillWorker(
+            self.engine,
+            make_sender(cfg.transport),
+            cfg.cluster_token,
+            transfer_timeout_s=cfg.transfer_timeout_s,
+            lease_ms=int(cfg.kv_wait_timeout_s * 1000),
+        )
+        await self.join_index("")
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        decode_address: str,
+        first_block: int = 0,
+        target_replica: str | None = None,
+    ) -> dict[str, Any]:
+        """Prefill and push to `decode_address`; returns timings and transfer figures.
+
+        Raises the transfer's typed error (`pdserve.kv_transfer.errors`); the router then
+        tells the decode worker to stop waiting and prefill locally.
+        """
+        try:
+            result = await self.worker.prefill(
+                request_id, prompt_token_ids, params, decode_address, first_block
+            )
+        finally:
+            await self.flush_events()
+        return {
+            "worker_id": self.worker_id,
+            "first_token": result.first_token,
+            "num_prompt_tokens": result.num_prompt_tokens,
+            "num_cached_tokens": result.num_cached_tokens,
+            "num_blocks_sent": result.num_blocks_sent,
+            "transfer_bytes": result.transfer.num_bytes,
+            "transfer_s": result.transfer.seconds,
+            "queue_s": result.queue_s,
+            "compute_s": result.compute_s,
+            "pack_s": result.pack_s,
+        }
+
+    async def __del__(self) -> None:
+        await self.worker.sender.close()
+        await self.shutdown()

@@ -1,0 +1,316 @@
+"""The router: Ray Serve ingress on FastAPI, serving the OpenAI API.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with SSE streaming
+ending in `data: [DONE]`, and `stream_options.include_usage`), `GET /v1/models`,
+`GET /health`, `GET /metrics`. The router tokenizes (the model's chat template for chat),
+validates limits, then hands the token ids to `RouterCore`; workers never re-tokenize.
+Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for bad
+input, 404 for an unknown model, 503 when no worker could serve the request.
+
+Extensions beyond OpenAI's schema: `top_k`, `ignore_eos`, `stop_token_ids`, and
+`return_token_ids` (each choice then carries `token_ids`, the response `prompt_token_ids`).
+"""
+
+# NOTE: no `from __future__ import annotations` here: FastAPI must see `Request` as a
+# class, not a string, in methods that Ray Serve's ingress re-binds.
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from pdserve.deploy.config import ClusterConfig
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.model_config import load_model_config
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.core import RouterCore, UpstreamError
+from pdserve.router.metrics import CONTENT_TYPE
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    check_model,
+    parse_request,
+    to_sampling_params,
+)
+
+api = FastAPI(
+    title="pdserve",
+    description="OpenAI-compatible API of a disaggregated prefill/decode cluster",
+    version="0.1.0",
+)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _error(exc: ProtocolError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status_code)
+
+
+def _upstream_error_body(exc: Exception) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": str(exc),
+            "type": "service_unavailable",
+            "param": None,
+            "code": "upstream_unavailable",
+        }
+    }
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _Request:
+    """One validated request on its way through the router."""
+
+    def __init__(
+        self,
+        kind: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_s: float,
+    ) -> None:
+        self.kind = kind  # "completion" or "chat"
+        self.req = req
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.arrival_s = arrival_s
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+
+@serve.deployment(name="Router")
+@serve.ingress(api)
+class Router:
+    """The HTTP ingress; any number of replicas (state lives in Redis and the workers)."""
+
+    def __init__(self, config: dict[str, Any], prefill: Any | None, decode: Any) -> None:
+        self.config = cfg = ClusterConfig.model_validate(config)
+        assert cfg.max_model_len is not None, "pass ClusterConfig.resolved()"
+        self.max_model_len = cfg.max_model_len
+        self.tokenizer = Tokenizer(Path(cfg.model))
+        self.vocab_size = load_model_config(Path(cfg.model)).vocab_size
+        self.redis = aioredis.Redis.from_url(
+            cfg.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
+        index = PrefixIndex(self.redis, cfg.model_id, cfg.worker_lease_s)
+        self.core = RouterCore(cfg, prefill, decode, index)
+        self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+
+    # -- endpoints --------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 once a decode worker (and in disagg mode a prefill worker) is live."""
+        try:
+            workers = await self.core.live_workers()
+        except Exception as exc:  # Redis down: the workers may still serve
+            return JSONResponse({"status": "degraded", "index": repr(exc)}, status_code=200)
+        counts = {role: sum(w.role == role for w in workers) for role in ("prefill", "decode")}
+        ok = counts["decode"] > 0 and (self.core.prefill is None or counts["prefill"] > 0)
+        body = {"status": "ok" if ok else "starting", "mode": self.config.mode, "workers": counts}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        try:
+            workers = await self.core.live_workers()
+        except Exception:
+            workers = []
+        return Response(self.core.metrics.render(workers), media_type=CONTENT_TYPE)
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.config.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": self.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            req = parse_request(CompletionRequest, await request.body())
+            check_model(req.model, [self.config.model_id])
+            prompt = req.prompt_input()
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = self._check_token_ids(prompt)
+            params = to_sampling_params(req, len(ids), self.max_model_len)
+        except ProtocolError as exc:
+            self.core.metrics.requests.labels("completions", str(exc.status_code)).inc()
+            return _error(exc)
+        return await self._serve(_Request("completion", req, ids, params, arrival))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            req = parse_request(ChatCompletionRequest, await request.body())
+            check_model(req.model, [self.config.model_id])
+            try:
+                ids = self.tokenizer.encode_chat(req.chat_messages(), req.add_generation_prompt)
+            except InvalidRequestError as exc:
+                raise ProtocolError(str(exc), param="messages") from exc
+            params = to_sampling_params(req, len(ids), self.max_model_len)
+        except ProtocolError as exc:
+            self.core.metrics.requests.labels("chat", str(exc.status_code)).inc()
+            return _error(exc)
+        return await self._serve(_Request("chat", req, ids, params, arrival))
+
+    # -- serving ------------------------------------------------------------------------
+
+    def _check_token_ids(self, ids: list[int]) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ProtocolError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                param="prompt",
+            )
+        return ids
+
+    async def _serve(self, r: _Request) -> Response:
+        endpoint = "completions" if r.kind == "completion" else "chat"
+        items = self.core.generate(r.id, r.prompt_ids, r.params, r.arrival_s)
+        if r.req.stream:
+            return StreamingResponse(
+                self._stream(r, items), media_type="text/event-stream", headers=_SSE_HEADERS
+            )
+        token_ids: list[int] = []
+        text: list[str] = []
+        logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
+        finish_reason = None
+        try:
+            async for item in items:
+                token_ids += item["token_ids"]
+                text.append(item["text"])
+                logprobs += item.get("logprobs", [])
+                finish_reason = item["finish_reason"]
+        except UpstreamError as exc:
+            self.core.metrics.requests.labels(endpoint, "503").inc()
+            return JSONResponse(_upstream_error_body(exc), status_code=503)
+        self._observe_done(r, len(token_ids))
+        self.core.metrics.requests.labels(endpoint, "200").inc()
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+        if r.kind == "completion":
+            choice["text"] = "".join(text)
+            choice["logprobs"] = self._completion_logprobs(logprobs) if logprobs else None
+            obj = "text_completion"
+        else:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+            choice["logprobs"] = self._chat_logprobs(logprobs) if logprobs else None
+            obj = "chat.completion"
+        body: dict[str, Any] = {
+            "id": r.id,
+            "object": obj,
+            "created": r.created,
+            "model": self.config.model_id,
+            "choices": [choice],
+            "usage": self._usage(r, len(token_ids)),
+        }
+        if r.req.return_token_ids:
+            choice["token_ids"] = token_ids
+            body["prompt_token_ids"] = r.prompt_ids
+        return JSONResponse(body)
+
+    async def _stream(
+        self, r: _Request, items: AsyncIterator[dict[str, Any]]
+    ) -> AsyncIterator[str]:
+        endpoint = "completions" if r.kind == "completion" else "chat"
+        obj = "text_completion" if r.kind == "completion" else "chat.completion.chunk"
+        base = {"id": r.id, "object": obj, "created": r.created, "model": self.config.model_id}
+        include_usage = bool(r.req.stream_options and r.req.stream_options.include_usage)
+        num_tokens = 0
+        last_token_s: float | None = None
+        try:
+            if r.kind == "chat":
+                delta = {"role": "assistant", "content": ""}
+                first: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+                chunk = {**base, "choices": [first]}
+                if r.req.return_token_ids:
+                    chunk["prompt_token_ids"] = r.prompt_ids
+                yield _sse(chunk)
+            first_chunk = True
+            async for item in items:
+                now = time.monotonic()
+                if last_token_s is not None and item["token_ids"]:
+                    self.core.metrics.itl.observe(now - last_token_s)
+                last_token_s = now
+                num_tokens += len(item["token_ids"])
+                choice: dict[str, Any] = {"index": 0, "finish_reason": item["finish_reason"]}
+                lps = item.get("logprobs")
+                if r.kind == "completion":
+                    choice["text"] = item["text"]
+                    choice["logprobs"] = self._completion_logprobs(lps) if lps else None
+                else:
+                    choice["delta"] = {"content": item["text"]} if item["text"] else {}
+                    choice["logprobs"] = self._chat_logprobs(lps) if lps else None
+                if r.req.return_token_ids:
+                    choice["token_ids"] = item["token_ids"]
+                chunk = {**base, "choices": [choice]}
+                if first_chunk and r.kind == "completion" and r.req.return_token_ids:
+                    chunk["prompt_token_ids"] = r.prompt_ids
+                first_chunk = False
+                yield _sse(chunk)
+            self._observe_done(r, num_tokens)
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": self._usage(r, num_tokens)})
+            self.core.metrics.requests.labels(endpoint, "200").inc()
+        except UpstreamError as exc:
+            self.core.metrics.requests.labels(endpoint, "503").inc()
+            yield _sse(_upstream_error_body(exc))
+        finally:  # a client that went away cancels the request on the workers now
+            await items.aclose()  # type: ignore[attr-defined]
+        yield "data: [DONE]\n\n"
+
+    def _observe_done(self, r: _Request, num_tokens: int) -> None:
+        self.core.metrics.e2e.observe(time.monotonic() - r.arrival_s)
+        self.core.metrics.generation_tokens.inc(num_tokens)
+
+    def _usage(self, r: _Request, num_tokens: int) -> dict[str, int]:
+        n = len(r.prompt_ids)
+        return {"prompt_tokens": n, "completion_tokens": num_tokens, "total_tokens": n + num_tokens}
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, lps: list[Any]) -> dict[str, Any]:
+        tokens = [self._token_text(t) for t, _, _ in lps]
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in lps],
+            "top_logprobs": [{self._token_text(t): v for t, v in top} for _, _, top in lps],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, lps: list[Any]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [
+            {**entry(t, lp), "top_logprobs": [entry(tt, v) for tt, v in top]} for t, lp, top in lps
+        ]
+        return {"content": content}

@@ -1,0 +1,209 @@
+"""The router's request path, independent of HTTP (DESIGN.md, "Request path").
+
+`RouterCore.generate` takes a tokenized, validated request and yields the decode
+worker's output items. In between: one index round trip (every live worker's matched
+prefix), joint placement of P and D, and dual dispatch: D is called first (a streaming
+call) and once it confirms that its receiver expects the request, P is told to prefill
+and push the blocks D lacks. A prefill failure reaches D at once (`cancel_kv`), which
+then prefills locally. Redis being down degrades placement to load-only; it never fails
+a request. Plain Python: the worker handles are duck-typed Ray Serve handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from pdserve.deploy.config import ClusterConfig
+from pdserve.engine.hashing import hash_block_chain, hash_namespace
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement import Choice, Placer
+from pdserve.router.prefix_index import MatchResult, PrefixIndex, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+_INDEX_TIMEOUT_S = 0.5  # placement never waits longer than this for Redis
+
+
+class UpstreamError(RuntimeError):
+    """No worker could serve the request (all failed, none live, or one stalled)."""
+
+
+class RouterCore:
+    """Places and dispatches requests; records their metrics.
+
+    Args:
+        config: The cluster's configuration (resolved: max_model_len is set).
+        prefill: Handle of the prefill deployment (None in colocated mode).
+        decode: Handle of the decode deployment.
+        index: The prefix index client.
+    """
+
+    def __init__(
+        self, config: ClusterConfig, prefill: Any | None, decode: Any, index: PrefixIndex
+    ) -> None:
+        self.config = config
+        self.prefill = prefill if config.mode == "disagg" else None
+        self.decode = decode
+        self.index = index
+        self.namespace = hash_namespace(config.model_id)
+        self.placer = Placer(config.placement, config.weights, config.block_size)
+        self.metrics = RouterMetrics()
+        self.inflight_prefill_tokens: Counter[str] = Counter()
+        self.inflight_decode: Counter[str] = Counter()
+        self.index_available = True
+
+    async def live_workers(self) -> list[WorkerInfo]:
+        return await asyncio.wait_for(self.index.live_workers(), _INDEX_TIMEOUT_S)
+
+    async def place(self, prompt_ids: list[int]) -> tuple[Choice | None, Choice | None]:
+        """(prefill choice or None, decode choice or None) for a prompt."""
+        hashes = hash_block_chain(prompt_ids, self.config.block_size, self.namespace)
+        try:
+            matches = await asyncio.wait_for(self.index.match(hashes), _INDEX_TIMEOUT_S)
+            self.index_available = True
+        except (RedisError, OSError, TimeoutError) as exc:
+            if self.index_available:
+                logger.warning("prefix index unreachable (%s): load-only placement", exc)
+            self.index_available = False
+            matches = {}
+        by_role: dict[str, dict[str, MatchResult]] = {"prefill": {}, "decode": {}}
+        for worker_id, m in matches.items():
+            by_role.setdefault(m.worker.role, {})[worker_id] = m
+        decode = self.placer.choose_decode(by_role["decode"], self.inflight_decode)
+        prefill = None
+        if self.prefill is not None:
+            prefill = self.placer.choose_prefill(
+                by_role["prefill"], len(prompt_ids), self.inflight_prefill_tokens
+            )
+        return prefill, decode
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_s: float,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yield the decode worker's output items for one request.
+
+        Raises:
+            UpstreamError: the request could not be served (no worker, a worker died,
+                no first token within `first_token_timeout_s`, or a stall between tokens
+                longer than `stall_timeout_s`). Nothing is left running on the workers.
+        """
+        p, d = await self.place(prompt_ids)
+        kv_expected = p is not None and d is not None
+        self.metrics.ttft_stage.labels("router_queue").observe(time.monotonic() - arrival_s)
+        d_target = d.worker_id if d is not None else None
+        if d_target is not None:
+            self.metrics.placements.labels("decode", d_target).inc()
+            self.inflight_decode[d_target] += 1
+        stream = self.decode.options(stream=True).generate.remote(
+            request_id, prompt_ids, params, kv_expected=kv_expected, target_replica=d_target
+        )
+        prefill_task: asyncio.Task[None] | None = None
+        finished = False
+        try:
+            accepted = await self._next(stream, self.config.first_token_timeout_s, "accepted")
+            if accepted["kv_expected"]:
+                assert p is not None and d is not None
+                prefill_task = asyncio.create_task(
+                    self._prefill(request_id, prompt_ids, params, p, d)
+                )
+            first = True
+            timeout = self.config.first_token_timeout_s
+            while not finished:
+                item = await self._next(stream, timeout, "token")
+                if first:
+                    self._record_first(item, arrival_s)
+                    if accepted["kv_expected"] and not item.get("kv_used"):
+                        self.metrics.local_fallbacks.inc()
+                    first, timeout = False, self.config.stall_timeout_s
+                finished = item["finished"]
+                yield item
+        finally:
+            if d_target is not None:
+                self.inflight_decode[d_target] -= 1
+                if self.inflight_decode[d_target] <= 0:
+                    del self.inflight_decode[d_target]
+            if not finished:
+                stream.cancel()
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await prefill_task
+
+    async def _next(self, stream: Any, timeout_s: float, what: str) -> dict[str, Any]:
+        try:
+            return dict(await asyncio.wait_for(stream.__anext__(), timeout_s))
+        except TimeoutError as exc:
+            raise UpstreamError(f"no {what} from the decode worker within {timeout_s:g}s") from exc
+        except StopAsyncIteration as exc:
+            raise UpstreamError("the decode worker ended the stream early") from exc
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a dead replica, a failed call: Ray's error types
+            logger.warning("decode call failed: %r", exc)
+            raise UpstreamError(f"the decode worker failed: {type(exc).__name__}") from exc
+
+    async def _prefill(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        p: Choice,
+        d: Choice,
+    ) -> None:
+        """Run the prefill half of dual dispatch; on failure free D to prefill locally."""
+        self.metrics.placements.labels("prefill", p.worker_id).inc()
+        self.inflight_prefill_tokens[p.worker_id] += len(prompt_ids)
+        try:
+            result = await self.prefill.prefill.remote(  # type: ignore[union-attr]
+                request_id,
+                prompt_ids,
+                params,
+                d.address,
+                first_block=d.matched_blocks,
+                target_replica=p.worker_id,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning(
+                "%s: prefill or push failed (%r); decode prefills locally", request_id, exc
+            )
+            self.metrics.transfers_failed.inc()
+            with contextlib.suppress(Exception):
+                await self.decode.cancel_kv.remote(request_id, target_replica=d.worker_id)
+            return
+        finally:
+            self.inflight_prefill_tokens[p.worker_id] -= len(prompt_ids)
+            if self.inflight_prefill_tokens[p.worker_id] <= 0:
+                del self.inflight_prefill_tokens[p.worker_id]
+        m = self.metrics
+        m.prompt_tokens.labels("prefill").inc(result["num_prompt_tokens"])
+        m.hit_tokens.labels("prefill").inc(result["num_cached_tokens"])
+        m.transfer_bytes.inc(result["transfer_bytes"])
+        m.transfer_blocks.inc(result["num_blocks_sent"])
+        m.transfer_seconds.inc(result["transfer_s"])
+        m.ttft_stage.labels("prefill_queue").observe(result["queue_s"])
+        m.ttft_stage.labels("prefill_compute").observe(result["compute_s"])
+        m.ttft_stage.labels("transfer").observe(result["pack_s"] + result["transfer_s"])
+
+    def _record_first(self, item: dict[str, Any], arrival_s: float) -> None:
+        m = self.metrics
+        m.ttft.observe(time.monotonic() - arrival_s)
+        m.prompt_tokens.labels("decode").inc(item.get("num_prompt_tokens", 0))
+        m.hit_tokens.labels("decode").inc(item.get("num_cached_tokens", 0))
+        m.ttft_stage.labels("decode_queue").observe(item.get("decode_queue_s", 0.0))
+        if not item.get("kv_used") and item.get("local_prefill_s"):
+            m.ttft_stage.labels("prefill_compute").observe(item["local_prefill_s"])

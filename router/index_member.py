@@ -1,0 +1,134 @@
+"""A worker's side of the prefix index: register, heartbeat, publish KV events.
+
+Each prefill or decode replica runs one `IndexMember`. It registers under a fresh
+generation, renews the lease every `heartbeat_s` with the worker's load, and publishes
+its block pool's STORED/REMOVED events, both on every tick and whenever the worker asks
+(`flush`, after a request's blocks were cached, so the router sees them at once). When
+the index says the registration is gone (lease expired during a stall, Redis restarted
+or flushed) it registers again and republishes a snapshot of everything it holds. A
+Redis outage is logged and retried on the next tick; the worker keeps serving.
+Plain Python: the engine is reached only through the callables it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from redis.exceptions import RedisError
+
+from pdserve.engine.block_pool import KVEvent
+from pdserve.router.prefix_index import PrefixIndex, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+LoadFn = Callable[[], Awaitable[dict[str, int]]]
+EventsFn = Callable[[], Awaitable[list[KVEvent]]]
+
+
+class IndexMember:
+    """Keeps one worker's registration and block entries in the index current.
+
+    Args:
+        index: The model's prefix index.
+        worker_id: Stable id of this worker (its Ray Serve replica id).
+        role: "prefill" or "decode".
+        address: Where peers reach it (a decode worker's KV receiver), or "".
+        load: Returns the load gauges sent with each heartbeat.
+        drain_events: Returns the block pool's events since the last call.
+        snapshot: Returns every cached block as STORED events (drops pending events).
+        heartbeat_s: Seconds between heartbeats; well under the index's lease.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        worker_id: str,
+        role: str,
+        address: str,
+        load: LoadFn,
+        drain_events: EventsFn,
+        snapshot: EventsFn,
+        heartbeat_s: float,
+    ) -> None:
+        self.index = index
+        self.worker_id = worker_id
+        self.role = role
+        self.address = address
+        self._load = load
+        self._drain_events = drain_events
+        self._snapshot = snapshot
+        self.heartbeat_s = heartbeat_s
+        self.generation: int | None = None
+        self.num_registrations = 0
+        self._lock = asyncio.Lock()  # events must reach Redis in the order they happened
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Register (retrying on the heartbeat period) and start the heartbeat task."""
+        with contextlib.suppress(RedisError, OSError):
+            await self._sync()
+        self._task = asyncio.create_task(self._run(), name=f"index-member-{self.worker_id}")
+
+    async def flush(self) -> None:
+        """Publish pending events now; a Redis error is logged, not raised."""
+        try:
+            await self._sync(heartbeat=False)
+        except (RedisError, OSError) as exc:
+            logger.warning("prefix index unreachable (%s); will retry", exc)
+
+    async def stop(self) -> None:
+        """Stop heartbeats and remove this worker from the index (graceful shutdown)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.generation is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await asyncio.wait_for(
+                    self.index.deregister(self.worker_id, self.generation), self.heartbeat_s
+                )
+            self.generation = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self._sync()
+            except (RedisError, OSError) as exc:
+                logger.warning("prefix index unreachable (%s); will retry", exc)
+
+    async def _sync(self, heartbeat: bool = True) -> None:
+        async with self._lock:
+            if self.generation is None:
+                await self._register()
+                return
+            events = await self._drain_events()
+            alive = True
+            try:
+                if events:
+                    alive = await self.index.publish(self.worker_id, self.generation, events)
+                if alive and heartbeat:
+                    alive = await self.index.heartbeat(
+                        self.worker_id, self.generation, await self._load()
+                    )
+            except (RedisError, OSError):
+                # The drained events may be lost: register again with a snapshot.
+                self.generation = None
+                raise
+            if not alive:
+                logger.warning("index registration of %s lost; registering again", self.worker_id)
+                await self._register()
+
+    async def _register(self) -> None:
+        worker = WorkerInfo(self.worker_id, self.role, self.address, load=await self._load())
+        generation = await self.index.register(worker)
+        # The snapshot is taken after registering: whatever is cached from now on is
+        # either in it or in a later event, so nothing published is missed.
+        events = await self._snapshot()
+        if events and not await self.index.publish(self.worker_id, generation, events):
+            return  # superseded already; the next tick registers again
+        self.generation = generation
+        self.num_registrations += 1

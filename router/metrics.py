@@ -1,0 +1,128 @@
+"""The router's Prometheus metrics (`GET /metrics`), every name prefixed `pdserve_`.
+
+Request-level figures (latencies, the TTFT breakdown, prefix hits per pool, transfer
+bytes) are observed by the router replica that served the request, from what the
+workers report with each call. Worker gauges (running and waiting requests, KV blocks,
+queued prefill tokens) are read from the prefix index at scrape time, so any router
+replica shows the whole cluster. Scrape every router replica and sum the counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from pdserve.router.prefix_index import WorkerInfo
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75),
+    *(1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+TTFT_STAGES = ("router_queue", "prefill_queue", "prefill_compute", "transfer", "decode_queue")
+_WORKER_GAUGES = {
+    "running": "Requests in the running batch",
+    "waiting": "Requests waiting for admission",
+    "queued_prefill_tokens": "Prompt tokens not yet prefilled",
+    "kv_blocks_used": "KV blocks referenced by requests",
+    "kv_blocks_total": "KV blocks in the pool",
+}
+
+
+class _WorkerCollector:
+    """Exposes the last index snapshot of every live worker as gauges."""
+
+    def __init__(self) -> None:
+        self.workers: Sequence[WorkerInfo] = ()
+
+    def collect(self) -> Iterable[Metric]:
+        for name, doc in _WORKER_GAUGES.items():
+            family = GaugeMetricFamily(f"pdserve_worker_{name}", doc, labels=["worker", "role"])
+            for w in self.workers:
+                if name in w.load:
+                    family.add_metric([w.worker_id, w.role], w.load[name])
+            yield family
+        live = GaugeMetricFamily("pdserve_workers_live", "Live workers per pool", labels=["role"])
+        for role in ("prefill", "decode"):
+            live.add_metric([role], sum(w.role == role for w in self.workers))
+        yield live
+
+
+class RouterMetrics:
+    """One registry per router replica (tests may build several in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Request arrival at the router to its first token leaving it",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between consecutive streamed tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Request arrival to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_stage = Histogram(
+            "pdserve_ttft_breakdown_seconds",
+            "Where time to first token went, per stage of the request path",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdserve_requests", "Requests by outcome", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens",
+            "Prompt tokens each pool was asked to hold",
+            ["pool"],
+            registry=r,
+        )
+        self.hit_tokens = Counter(
+            "pdserve_prefix_cache_hit_tokens",
+            "Prompt tokens each pool found in its prefix cache",
+            ["pool"],
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Tokens generated", registry=r
+        )
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes pushed from prefill to decode", registry=r
+        )
+        self.transfer_blocks = Counter(
+            "pdserve_kv_transfer_blocks", "KV blocks pushed from prefill to decode", registry=r
+        )
+        self.transfer_seconds = Counter(
+            "pdserve_kv_transfer_seconds", "Seconds spent pushing KV", registry=r
+        )
+        self.transfers_failed = Counter(
+            "pdserve_kv_transfer_failures",
+            "Pushes that failed (decode prefilled locally)",
+            registry=r,
+        )
+        self.local_fallbacks = Counter(
+            "pdserve_decode_local_prefill_fallbacks",
+            "Disaggregated requests the decode worker prefilled itself",
+            registry=r,
+        )
+        self.placements = Counter(
+            "pdserve_placements", "Requests placed per worker", ["role", "worker"], registry=r
+        )
+        self._workers = _WorkerCollector()
+        r.register(self._workers)
+
+    def render(self, workers: Sequence[WorkerInfo]) -> bytes:
+        self._workers.workers = workers
+        return generate_latest(self.registry)

@@ -1,0 +1,108 @@
+"""Joint placement of a request's prefill and decode workers (DESIGN.md, "Placement").
+
+Input: for each live worker of a pool, how many leading blocks of the prompt it holds
+(one index round trip) and its load (heartbeat gauges plus what this router has in
+flight there, which the heartbeat has not seen yet). Output: the cheapest worker of each
+pool; ties are broken at random. `round-robin` and `random` ignore prefix and load, for
+the benchmarks that measure what prefix-aware placement buys. Plain Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from pdserve.deploy.config import Placement, PlacementWeights
+from pdserve.router.prefix_index import MatchResult
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One chosen worker and the prompt blocks it already holds."""
+
+    worker_id: str
+    address: str
+    matched_blocks: int
+
+
+class Placer:
+    """Picks a prefill and a decode worker for a prompt.
+
+    Args:
+        policy: "prefix-aware", "round-robin" or "random".
+        weights: The decode-cost weights (prefill cost is in tokens, unweighted).
+        block_size: Tokens per KV block.
+        rng: Source of tie-breaking and `random` choices (seed it in tests).
+    """
+
+    def __init__(
+        self,
+        policy: Placement,
+        weights: PlacementWeights,
+        block_size: int,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.policy = policy
+        self.weights = weights
+        self.block_size = block_size
+        self.rng = rng or random.Random()
+        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def choose_prefill(
+        self,
+        matches: Mapping[str, MatchResult],
+        prompt_len: int,
+        inflight_tokens: Mapping[str, int],
+    ) -> Choice | None:
+        """The prefill worker with the fewest tokens to compute before this prompt's end.
+
+        inflight_tokens: prompt tokens this router sent to each worker, not yet done.
+        Returns None when no prefill worker is live.
+        """
+
+        def cost(m: MatchResult) -> float:
+            todo = prompt_len - min(m.matched_blocks * self.block_size, prompt_len)
+            queued = max(m.worker.load.get("queued_prefill_tokens", 0), 0)
+            return todo + max(queued, inflight_tokens.get(m.worker.worker_id, 0))
+
+        return self._pick("prefill", list(matches.values()), cost)
+
+    def choose_decode(
+        self,
+        matches: Mapping[str, MatchResult],
+        inflight_requests: Mapping[str, int],
+    ) -> Choice | None:
+        """The decode worker with the lowest weighted load minus its cached prefix.
+
+        inflight_requests: requests this router has streaming from each worker.
+        Returns None when no decode worker is live.
+        """
+        w = self.weights
+
+        def cost(m: MatchResult) -> float:
+            load = m.worker.load
+            running = load.get("running", 0) + load.get("waiting", 0)
+            running = max(running, inflight_requests.get(m.worker.worker_id, 0))
+            total = max(load.get("kv_blocks_total", 0), 1)
+            usage_pct = 100.0 * load.get("kv_blocks_used", 0) / total
+            return w.running * running + w.kv_usage * usage_pct - w.hit * m.matched_blocks
+
+        return self._pick("decode", list(matches.values()), cost)
+
+    def _pick(
+        self, pool: str, candidates: Sequence[MatchResult], cost: Callable[[MatchResult], float]
+    ) -> Choice | None:
+        if not candidates:
+            return None
+        ordered = sorted(candidates, key=lambda m: m.worker.worker_id)
+        if self.policy == "round-robin":
+            best = ordered[next(self._turns[pool]) % len(ordered)]
+        elif self.policy == "random":
+            best = self.rng.choice(ordered)
+        else:
+            costs = [cost(m) for m in ordered]
+            lowest = min(costs)
+            best = self.rng.choice([m for m, c in zip(ordered, costs, strict=True) if c == lowest])
+        return Choice(best.worker.worker_id, best.worker.address, best.matched_blocks)

@@ -1,0 +1,30 @@
+"""A Ray Serve request router that sends each call to the replica placement chose.
+
+The router ingress picks prefill and decode workers itself (prefix index + load, see
+`placement.py`) and passes the chosen replica's id as the `target_replica` keyword
+argument of the call. This `RequestRouter` (Ray Serve's extension point for routing,
+`ray.serve.request_router`) ranks that replica first. If it is gone (scaled down, died
+since the index last saw it) the others follow, least busy first by Serve's own queue
+length cache, so a call is never stuck on a vanished replica; the worker then sees it
+was not the target and behaves accordingly (a decode worker prefills locally).
+"""
+
+from __future__ import annotations
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+TARGET_KWARG = "target_replica"
+
+
+class TargetedRequestRouter(RequestRouter):
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        target = None if pending_request is None else pending_request.kwargs.get(TARGET_KWARG)
+        chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+        others = [r for r in candidate_replicas if r.replica_id.unique_id != target]
+        queue_lens = self.replica_queue_len_cache
+        others.sort(key=lambda r: queue_lens.get(r.replica_id) or 0)
+        return [chosen, others] if chosen else [others]

@@ -1,0 +1,307 @@
+"""The OpenAI request schema: validation errors, and the mapping to SamplingParams.
+
+Plain Python: no model, no network, no Redis, no Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    check_model,
+    error_from_validation,
+    parse_request,
+    to_sampling_params,
+)
+
+MAX_MODEL_LEN = 128
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return parse_request(CompletionRequest, {"model": "m", "prompt": "hi", **fields})
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    messages = [{"role": "user", "content": "hi"}]
+    return parse_request(ChatCompletionRequest, {"model": "m", "messages": messages, **fields})
+
+
+def rejection(call: Any, *args: Any, **kwargs: Any) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        call(*args, **kwargs)
+    return info.value
+
+
+def test_completion_maps_to_sampling_params() -> None:
+    req = completion(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=-1,
+        seed=42,
+        stop="END",
+        stop_token_ids=[2, 3],
+        ignore_eos=True,
+        logprobs=3,
+    )
+    assert to_sampling_params(req, prompt_len=10, max_model_len=MAX_MODEL_LEN) == SamplingParams(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=0,
+        seed=42,
+        stop=("END",),
+        stop_token_ids=(2, 3),
+        ignore_eos=True,
+        logprobs=3,
+    )
+
+
+def test_completion_defaults_and_nulls() -> None:
+    params = to_sampling_params(completion(), prompt_len=10, max_model_len=MAX_MODEL_LEN)
+    assert params == SamplingParams(max_tokens=16)
+    req = completion(max_tokens=None, temperature=None, top_p=None, top_k=None, stop=None)
+    params = to_sampling_params(req, prompt_len=10, max_model_len=MAX_MODEL_LEN)
+    assert params == SamplingParams(max_tokens=MAX_MODEL_LEN - 10)
+    assert to_sampling_params(completion(stop=["a", "b"]), 1, MAX_MODEL_LEN).stop == ("a", "b")
+
+
+def test_chat_maps_to_sampling_params() -> None:
+    req = chat(max_tokens=5, max_completion_tokens=9, temperature=0, logprobs=True, top_k=4)
+    params = to_sampling_params(req, prompt_len=20, max_model_len=MAX_MODEL_LEN)
+    assert params == SamplingParams(max_tokens=9, temperature=0, top_k=4, logprobs=0)
+    assert to_sampling_params(chat(max_tokens=5), 20, MAX_MODEL_LEN).max_tokens == 5
+    assert to_sampling_params(chat(), 20, MAX_MODEL_LEN).max_tokens == MAX_MODEL_LEN - 20
+    assert to_sampling_params(chat(), 20, MAX_MODEL_LEN).logprobs is None
+    req = chat(logprobs=True, top_logprobs=5)
+    assert to_sampling_params(req, 20, MAX_MODEL_LEN).logprobs == 5
+
+
+def test_chat_messages_join_text_parts() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": parts, "name": "ann"},
+        {"role": "assistant", "content": None},
+    ]
+    req = parse_request(ChatCompletionRequest, {"model": "m", "messages": messages})
+    assert req.add_generation_prompt
+    assert req.chat_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb", "name": "ann"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("hello", "hello"),
+        ([5, 6, 7], [5, 6, 7]),
+        (["hello"], "hello"),
+        ([[5, 6]], [5, 6]),
+    ],
+)
+def test_prompt_forms(prompt: Any, expected: str | list[int]) -> None:
+    assert completion(prompt=prompt).prompt_input() == expected
+
+
+def test_stream_options_and_unknown_fields() -> None:
+    req = completion(stream=True, stream_options={"include_usage": True}, tools=[], metadata={})
+    assert req.stream_options is not None and req.stream_options.include_usage
+    assert not hasattr(req, "tools")
+
+
+# (request class, fields, param named, fragment of the message)
+REJECTED = [
+    (CompletionRequest, {"temperature": 2.5}, "temperature", "less than or equal to 2"),
+    (CompletionRequest, {"temperature": -0.1}, "temperature", "greater than or equal to 0"),
+    (CompletionRequest, {"top_p": 0}, "top_p", "greater than 0"),
+    (CompletionRequest, {"top_p": 1.5}, "top_p", "less than or equal to 1"),
+    (CompletionRequest, {"top_k": -2}, "top_k", "greater than or equal to -1"),
+    (CompletionRequest, {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    (CompletionRequest, {"logprobs": 21}, "logprobs", "less than or equal to 20"),
+    (CompletionRequest, {"n": 2}, "n", "n > 1 is not supported"),
+    (CompletionRequest, {"n": 0}, "n", "greater than or equal to 1"),
+    (CompletionRequest, {"best_of": 2}, "best_of", "not supported"),
+    (CompletionRequest, {"echo": True}, "echo", "echo is not supported"),
+    (CompletionRequest, {"suffix": "x"}, "suffix", "suffix is not supported"),
+    (CompletionRequest, {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    (CompletionRequest, {"frequency_penalty": 1}, "frequency_penalty", "not supported"),
+    (CompletionRequest, {"logit_bias": {"1": 2.0}}, "logit_bias", "not supported"),
+    (CompletionRequest, {"stop": ["s"] * 17}, "stop", "at most 16 items"),
+    (CompletionRequest, {"stop": ["ok", "x" * 257]}, "stop", "at most 256 characters"),
+    (CompletionRequest, {"stop": ""}, "stop", "at least 1 character"),
+    (CompletionRequest, {"stop": 3}, "stop", "must be a string or a list of strings"),
+    (CompletionRequest, {"stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than or equal"),
+    (CompletionRequest, {"stream_options": {}}, "stream_options", "only allowed when stream"),
+    (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
+    (CompletionRequest, {"prompt": [[1], [2]]}, "prompt", "batched prompts are not supported"),
+    (CompletionRequest, {"prompt": ""}, "prompt", "must not be empty"),
+    (CompletionRequest, {"prompt": []}, "prompt", "must not be empty"),
+    (CompletionRequest, {"prompt": [[]]}, "prompt", "must not be empty"),
+    (CompletionRequest, {"prompt": [1, -1]}, "prompt", "token ids must be >= 0"),
+    (CompletionRequest, {"prompt": 7}, "prompt", "must be a string, a list of token ids"),
+    (CompletionRequest, {"prompt": None}, "prompt", "must be a string"),
+    (CompletionRequest, {"model": None}, "model", "valid string"),
+    (CompletionRequest, {"seed": 2**64}, "seed", "less than or equal to"),
+    (ChatCompletionRequest, {"messages": []}, "messages", "at least 1 item"),
+    (ChatCompletionRequest, {"top_logprobs": 2}, "top_logprobs", "requires logprobs to be true"),
+    (ChatCompletionRequest, {"n": 3}, "n", "n > 1 is not supported"),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "robot", "content": "x"}]},
+        "messages[0].role",
+        "Input should be 'system'",
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content",
+        "'image_url' is not supported",
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages[0].content",
+        "Field required",
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": "x"}] * 1025},
+        "messages",
+        "at most 1024 items",
+    ),
+]
+
+
+@pytest.mark.parametrize(("cls", "fields", "param", "fragment"), REJECTED)
+def test_rejected(cls: type[Any], fields: dict[str, Any], param: str, fragment: str) -> None:
+    base: dict[str, Any] = {"model": "m"}
+    base |= {"prompt": "hi"} if cls is CompletionRequest else {"messages": [{"role": "user"}]}
+    error = rejection(parse_request, cls, {**base, **fields})
+    assert error.status_code == 400
+    assert error.err_type == "invalid_request_error"
+    assert error.param == param
+    assert error.message.startswith(f"{param}: ")
+    assert fragment in error.message
+
+
+def test_missing_field_and_several_errors() -> None:
+    error = rejection(parse_request, CompletionRequest, {"model": "m"})
+    assert (error.param, error.message) == ("prompt", "prompt: Field required")
+    error = rejection(completion, temperature=9, top_p=9)
+    assert "temperature: " in error.message and "; top_p: " in error.message
+
+
+def test_unsupported_code() -> None:
+    assert rejection(completion, n=2).code == "unsupported_parameter"
+    assert rejection(completion, temperature=9).code is None
+
+
+def test_body_shape() -> None:
+    error = rejection(completion, n=2)
+    assert error.body() == {
+        "error": {
+            "message": "n: n > 1 is not supported",
+            "type": "invalid_request_error",
+            "param": "n",
+            "code": "unsupported_parameter",
+        }
+    }
+    json.dumps(error.body())  # serializable as is
+
+
+def test_unknown_model_is_404() -> None:
+    check_model("m", {"m", "other"})
+    error = rejection(check_model, "nope", {"m"})
+    assert (error.status_code, error.err_type, error.param) == (404, "not_found_error", "model")
+    assert error.body()["error"]["code"] == "model_not_found"
+    assert "'nope'" in error.message
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"", b'{"model": "m",}', b"\xff\xfe"])
+def test_malformed_json(body: bytes) -> None:
+    error = rejection(parse_request, CompletionRequest, body)
+    assert (error.status_code, error.message) == (400, "request body is not valid JSON")
+    assert error.param is None
+
+
+def test_json_body() -> None:
+    body = json.dumps({"model": "m", "prompt": [1, 2], "temperature": 0})
+    assert parse_request(CompletionRequest, body.encode()).prompt_input() == [1, 2]
+    assert parse_request(CompletionRequest, body).temperature == 0
+    error = rejection(parse_request, CompletionRequest, b"[1, 2]")
+    assert error.message == "request body must be a JSON object"
+    error = rejection(parse_request, CompletionRequest, b'{"model":"m","prompt":"x","top_p":NaN}')
+    assert error.param == "top_p" and "finite number" in error.message
+
+
+def test_fastapi_style_errors() -> None:
+    errors = [{"type": "greater_than", "loc": ("body", "top_p"), "msg": "Input should be > 0"}]
+    error = error_from_validation(errors)
+    assert (error.param, error.message) == ("top_p", "top_p: Input should be > 0")
+    error = error_from_validation([{"type": "json_invalid", "loc": ("body", 3), "msg": "x"}])
+    assert error.message == "request body is not valid JSON"
+
+
+def test_too_long_prompt() -> None:
+    error = rejection(to_sampling_params, completion(), MAX_MODEL_LEN, MAX_MODEL_LEN)
+    assert (error.status_code, error.param) == (400, "prompt")
+    assert error.code == "context_length_exceeded"
+    assert f"the prompt has {MAX_MODEL_LEN} tokens" in error.message
+    assert f"context is {MAX_MODEL_LEN} tokens" in error.message
+    error = rejection(to_sampling_params, chat(), MAX_MODEL_LEN + 5, MAX_MODEL_LEN)
+    assert error.param == "messages"
+    assert rejection(to_sampling_params, completion(), 0, MAX_MODEL_LEN).param == "prompt"
+
+
+def test_prompt_plus_max_tokens_overflow() -> None:
+    error = rejection(to_sampling_params, completion(max_tokens=30), 100, MAX_MODEL_LEN)
+    assert (error.status_code, error.param) == (400, "max_tokens")
+    for number in ("30", "100", str(MAX_MODEL_LEN), str(MAX_MODEL_LEN - 100)):
+        assert number in error.message
+    assert to_sampling_params(completion(max_tokens=28), 100, MAX_MODEL_LEN).max_tokens == 28
+    error = rejection(to_sampling_params, chat(max_completion_tokens=30), 100, MAX_MODEL_LEN)
+    assert error.param == "max_completion_tokens"
+
+
+def test_max_tokens_below_one_after_construct() -> None:
+    """model_construct skips validation; to_sampling_params still refuses."""
+    req = CompletionRequest.model_construct(**{**completion().model_dump(), "max_tokens": 0})
+    error = rejection(to_sampling_params, req, 10, MAX_MODEL_LEN)
+    assert error.param == "max_tokens" and "must be >= 1" in error.message
+
+
+def test_sampling_params_errors_become_protocol_errors() -> None:
+    req = CompletionRequest.model_construct(**{**completion().model_dump(), "top_p": 2.0})
+    error = rejection(to_sampling_params, req, 10, MAX_MODEL_LEN)
+    assert (error.status_code, error.param) == (400, "top_p")
+    assert "top_p must be in (0, 1]" in error.message
+
+
+def test_json_schema_documents_bounds() -> None:
+    props = CompletionRequest.model_json_schema()["properties"]
+    temperature = next(s for s in props["temperature"]["anyOf"] if s["type"] == "number")
+    assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
+    assert props["temperature"]["default"] == 1.0
+    top_p = next(s for s in props["top_p"]["anyOf"] if s["type"] == "number")
+    assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0, 1)
+    stop_list = next(s for s in props["stop"]["anyOf"] if s["type"] == "array")
+    assert stop_list["maxItems"] == 16 and stop_list["items"]["maxLength"] == 256
+    chat_props = ChatCompletionRequest.model_json_schema()["properties"]
+    assert chat_props["messages"]["maxItems"] == 1024
+
+
+def test_import_does_not_pull_torch() -> None:
+    code = "import sys, pdserve.router.protocol; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
