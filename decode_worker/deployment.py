@@ -86,8 +86,13 @@ class DecodeServer(WorkerReplica):
         """The prefill for `request_id` failed: stop waiting and prefill locally now."""
         self.worker.receiver.cancel(request_id)
 
-    async def num_pending_transfers(self) -> int:
-        return self.worker.receiver.num_pending
+    async def load(self, target_replica: str | None = None) -> dict[str, Any]:
+        load = await super().load(target_replica)
+        return {
+            **load,
+            "pending_transfers": self.worker.receiver.num_pending,
+            "local_prefill_fallbacks": self.worker.num_local_fallbacks,
+        }
 
     async def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -69,6 +69,9 @@ def _up(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         replica_num_cpus=args.replica_cpus,
+        worker_lease_s=args.worker_lease_s,
+        heartbeat_s=args.heartbeat_s,
+        kv_wait_timeout_s=args.kv_wait_timeout_s,
     )
     return run_up(config, args.host, args.port, address=args.address)
 
@@ -115,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker")
     up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     up.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    up.add_argument("--worker-lease-s", type=float, default=10.0, help="index lease")
+    up.add_argument("--heartbeat-s", type=float, default=1.0, help="worker heartbeat period")
+    up.add_argument(
+        "--kv-wait-timeout-s",
+        type=float,
+        default=10.0,
+        help="how long decode waits for pushed KV before prefilling itself",
+    )
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")
     up.set_defaults(func=_up)
 

@@ -75,10 +75,17 @@ class WorkerReplica:
         if self.member is not None:
             await self.member.flush()
 
-    async def load(self) -> dict[str, int]:
-        """The engine's load gauges and this worker's id (for tests and benchmarks)."""
-        load = await self.engine.call(lambda e: e.load())
-        return {**load, "generation": self.member.generation or 0 if self.member else 0}
+    async def load(self, target_replica: str | None = None) -> dict[str, Any]:
+        """Exact live state of this worker (the router's `/workers`, tests, benchmarks)."""
+        load: dict[str, Any] = await self.engine.call(lambda e: e.load())
+        generation = self.member.generation if self.member is not None else None
+        return {
+            **load,
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "generation": generation or 0,
+            "pid": os.getpid(),
+        }
 
     def check_health(self) -> None:
         """Ray Serve's health probe: a dead engine thread makes the replica unhealthy."""

@@ -72,12 +72,18 @@ class AsyncEngine:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
         finished = False
+
+        def start_and_queue_first(engine: LLMEngine) -> None:
+            first = start(engine)
+            if first is not None:
+                # Queued from the engine thread, so it precedes the next step's output
+                # (both travel through call_soon_threadsafe, which keeps their order).
+                loop.call_soon_threadsafe(queue.put_nowait, first)
+
         try:
-            first = await self.call(start)
+            await self.call(start_and_queue_first)
             if on_started is not None:
                 on_started()
-            if first is not None:
-                queue.put_nowait(first)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

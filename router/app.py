@@ -132,6 +132,15 @@ class Router:
             workers = []
         return Response(self.core.metrics.render(workers), media_type=CONTENT_TYPE)
 
+    @api.get("/workers")
+    async def workers(self) -> JSONResponse:
+        """Every live worker's exact state, asked of the worker itself (for operators)."""
+        try:
+            workers = await self.core.live_workers()
+        except Exception as exc:
+            return JSONResponse(_upstream_error_body(exc), status_code=503)
+        return JSONResponse({"workers": await self.core.worker_states(workers)})
+
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         card = {

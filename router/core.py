@@ -31,6 +31,7 @@ from pdserve.router.prefix_index import MatchResult, PrefixIndex, WorkerInfo
 logger = logging.getLogger(__name__)
 
 _INDEX_TIMEOUT_S = 0.5  # placement never waits longer than this for Redis
+_STATE_TIMEOUT_S = 5.0
 
 
 class UpstreamError(RuntimeError):
@@ -63,6 +64,30 @@ class RouterCore:
 
     async def live_workers(self) -> list[WorkerInfo]:
         return await asyncio.wait_for(self.index.live_workers(), _INDEX_TIMEOUT_S)
+
+    async def worker_states(self, workers: list[WorkerInfo]) -> list[dict[str, Any]]:
+        """Ask each worker for its live state; a worker that does not answer is marked so."""
+
+        async def ask(w: WorkerInfo) -> dict[str, Any]:
+            handle = self.decode if w.role == "decode" else self.prefill
+            base = {"worker_id": w.worker_id, "role": w.role, "address": w.address}
+            if handle is None:
+                return {**base, "error": "no handle for this role"}
+            try:
+                state = await asyncio.wait_for(
+                    handle.load.remote(target_replica=w.worker_id), _STATE_TIMEOUT_S
+                )
+            except Exception as exc:
+                return {**base, "error": repr(exc)}
+            # answered_by differs from worker_id when the worker is gone and another
+            # replica of its pool took the call.
+            return {**state, **base, "answered_by": state.get("worker_id")}
+
+        # NOTE: one at a time, on purpose. Calls made while serving one HTTP request share
+        # its Serve request id, and Ray Serve 2.60's request router indexes requests that
+        # wait for a replica by that id: concurrent calls to one deployment from one
+        # request collide there and some are never routed (seen as timeouts).
+        return [await ask(w) for w in workers]
 
     async def place(self, prompt_ids: list[int]) -> tuple[Choice | None, Choice | None]:
         """(prefill choice or None, decode choice or None) for a prompt."""
@@ -129,6 +154,13 @@ class RouterCore:
                         self.metrics.local_fallbacks.inc()
                     first, timeout = False, self.config.stall_timeout_s
                 finished = item["finished"]
+                if finished and prefill_task is not None:
+                    # The push ended before D's first token; wait for P's report so
+                    # that metrics and the index are current when the client sees the end.
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(
+                            asyncio.shield(prefill_task), self.config.transfer_timeout_s
+                        )
                 yield item
         finally:
             if d_target is not None:
@@ -172,7 +204,9 @@ class RouterCore:
                 prompt_ids,
                 params,
                 d.address,
-                first_block=d.matched_blocks,
+                # The block holding the last prompt token is always sent: D needs it
+                # to decode even when it holds every full block of the prompt.
+                first_block=min(d.matched_blocks, (len(prompt_ids) - 1) // self.config.block_size),
                 target_replica=p.worker_id,
             )
         except asyncio.CancelledError:

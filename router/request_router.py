@@ -22,7 +22,12 @@ class TargetedRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        target = None if pending_request is None else pending_request.kwargs.get(TARGET_KWARG)
+        if pending_request is None:
+            return [candidate_replicas]
+        # Every call ranks all candidates, so when none can take the request now, Serve
+        # must back off before asking again (without this flag it retries in a busy loop).
+        pending_request.routing_context.should_backoff = True
+        target = pending_request.kwargs.get(TARGET_KWARG)
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
         others = [r for r in candidate_replicas if r.replica_id.unique_id != target]
         queue_lens = self.replica_queue_len_cache

@@ -32,6 +32,7 @@ CHECKPOINT_INIT_RANGE = 0.1
 QWEN2_BIAS_STD = 0.1
 
 MakeCheckpoint = Callable[..., Path]
+HFGreedy = Callable[[Path, list[list[int]], int], list[list[int]]]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -174,3 +175,33 @@ def _randomize_qkv_biases(model: Any) -> None:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, QWEN2_BIAS_STD)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> HFGreedy:
+    """`transformers`' greedy tokens: `hf_greedy(model_dir, prompts, max_new_tokens)`.
+
+    Runs without any eos (our requests set ignore_eos), in float32: the reference that
+    every serving path's tokens must equal (DESIGN.md, "Correctness bar").
+    """
+
+    def generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # ignore_eos on our side; on theirs, no eos at all (min_new_tokens would *mask* eos).
+        model.generation_config.eos_token_id = None
+        outs = []
+        with torch.inference_mode():
+            for prompt in prompts:
+                ids = model.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                outs.append(ids[0, len(prompt) :].tolist())
+        return outs
+
+    return generate

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from pdserve.engine import LLM, SamplingParams
 
@@ -60,31 +59,13 @@ def make_prompts(seed: int = 0) -> list[list[int]]:
     ]
 
 
-def reference_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # ignore_eos on our side; on theirs, no eos at all (min_new_tokens would *mask* eos).
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(ids[0, len(prompt) :].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module", params=CHECKPOINTS, ids=[c[0] for c in CHECKPOINTS])
-def checkpoint(request: pytest.FixtureRequest, make_checkpoint: Any) -> tuple[Path, list[Any]]:
+def checkpoint(
+    request: pytest.FixtureRequest, make_checkpoint: Any, hf_greedy: Any
+) -> tuple[Path, list[Any]]:
     model_dir = make_checkpoint(**request.param[1])
     prompts = make_prompts()
-    return model_dir, reference_tokens(model_dir, prompts)
+    return model_dir, hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

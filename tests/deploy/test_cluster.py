@@ -1,0 +1,286 @@
+"""End to end: the official `openai` client against `pdserve up` (2 prefill + 2 decode).
+
+Every mode and transport must return exactly `transformers`' greedy tokens for a tiny
+random float32 checkpoint. Placement and leases are checked on the disaggregated gRPC
+cluster through what an operator sees: `/metrics`, `/workers` and `/health`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+MAX_TOKENS = 8
+BLOCK_SIZE = 8
+LEASE_S = 3.0
+CLUSTERS = {
+    "disagg-grpc": ("--mode", "disagg", "--transport", "grpc"),
+    "disagg-ucx": ("--mode", "disagg", "--transport", "ucx"),
+    "colocated": ("--mode", "colocated"),
+}
+COMMON = (
+    *("--prefill-replicas", "2", "--decode-replicas", "2", "--dtype", "float32"),
+    *("--block-size", str(BLOCK_SIZE), "--replica-cpus", "0", "--threads", "1"),
+    *("--worker-lease-s", str(LEASE_S), "--heartbeat-s", "0.5"),
+)
+
+
+def make_prompts(seed: int, n: int = 8, prefix_blocks: int = 10) -> list[list[int]]:
+    """n token-id prompts; the first half share a prefix of `prefix_blocks` full blocks."""
+    rng = random.Random(seed)
+
+    def ids(k: int) -> list[int]:
+        return [rng.randrange(5, 512) for _ in range(k)]
+
+    shared = ids(prefix_blocks * BLOCK_SIZE)
+    half = n // 2
+    return [shared + ids(3 + 5 * i) for i in range(half)] + [
+        ids(4 + 9 * i) for i in range(n - half)
+    ]
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint: Any) -> Path:
+    return Path(make_checkpoint(num_heads=4, num_kv_heads=2, max_position_embeddings=512))
+
+
+@pytest.fixture(scope="module", params=list(CLUSTERS))
+def cluster(
+    request: pytest.FixtureRequest, model_dir: Path, pdserve_up: Any
+) -> Iterator[tuple[str, str]]:
+    with pdserve_up(model_dir, *COMMON, *CLUSTERS[request.param]) as url:
+        yield request.param, url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of /metrics (0 if absent), matched by name and labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        series, _, label_text = key.partition("{")
+        got = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
+        if series == name and got == want:
+            return float(value)
+    return 0.0
+
+
+def greedy(c: openai.OpenAI, model: str, prompt: list[int] | str, **kw: Any) -> Any:
+    extra = {"ignore_eos": True, "return_token_ids": True, **kw.pop("extra_body", {})}
+    return c.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra, **kw
+    )
+
+
+def assert_workers_idle(url: str) -> None:
+    workers = get_json(f"{url}/workers")["workers"]
+    assert workers, "no live worker"
+    for w in workers:
+        assert "error" not in w, w
+        assert w["worker_id"] == w["answered_by"], w
+        assert (w["running"], w["waiting"], w["kv_blocks_used"]) == (0, 0, 0), w
+        assert w.get("pending_transfers", 0) == 0, w
+
+
+def test_greedy_completions_equal_transformers(
+    cluster: tuple[str, str], model_dir: Path, hf_greedy: Any
+) -> None:
+    name, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    prompts = make_prompts(seed=1)
+    want = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    for prompt, ref in zip(prompts, want, strict=True):
+        out = greedy(c, model, prompt)
+        assert out.choices[0].model_extra["token_ids"] == ref, name
+        assert out.model_extra["prompt_token_ids"] == prompt
+        assert out.usage.completion_tokens == MAX_TOKENS
+        assert out.choices[0].finish_reason == "length"
+    if name.startswith("disagg"):
+        assert metric(url, "pdserve_kv_transfer_blocks_total") > 0
+        assert metric(url, "pdserve_decode_local_prefill_fallbacks_total") == 0
+    else:
+        assert metric(url, "pdserve_kv_transfer_blocks_total") == 0
+    assert_workers_idle(url)
+
+
+def test_stream_deltas_concatenate_to_the_text(cluster: tuple[str, str]) -> None:
+    _, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    for prompt in ("The river", "Once upon a time there"):
+        full = greedy(c, model, prompt)
+        chunks = list(greedy(c, model, prompt, stream=True, stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        ids = [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]]
+        assert text == full.choices[0].text
+        assert ids == full.choices[0].model_extra["token_ids"]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_chat_applies_the_template_like_transformers(
+    cluster: tuple[str, str], model_dir: Path, hf_greedy: Any
+) -> None:
+    from transformers import AutoTokenizer
+
+    _, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a river."},
+    ]
+    want_prompt = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
+    if hasattr(want_prompt, "keys"):  # transformers 5 returns a BatchEncoding
+        want_prompt = want_prompt["input_ids"]
+    out = c.chat.completions.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert out.model_extra["prompt_token_ids"] == list(want_prompt)
+    (want_tokens,) = hf_greedy(model_dir, [list(want_prompt)], MAX_TOKENS)
+    assert out.choices[0].model_extra["token_ids"] == want_tokens
+    stream = c.chat.completions.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == out.choices[0].message.content
+
+
+def test_32_concurrent_streams_then_nothing_held(
+    cluster: tuple[str, str], model_dir: Path, hf_greedy: Any
+) -> None:
+    name, url = cluster
+    prompts = make_prompts(seed=2, n=32, prefix_blocks=4)
+    want = hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+    async def one(c: openai.AsyncOpenAI, model: str, prompt: list[int]) -> list[int]:
+        stream = await c.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        return [t async for ch in stream for t in ch.choices[0].model_extra["token_ids"]]
+
+    async def run() -> list[list[int]]:
+        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+        model = (await c.models.list()).data[0].id
+        try:
+            return list(await asyncio.gather(*(one(c, model, p) for p in prompts)))
+        finally:
+            await c.close()
+
+    assert asyncio.run(run()) == want, name
+    assert_workers_idle(url)
+
+
+# Checked once, on the disaggregated gRPC cluster (the same module-scoped instance).
+on_disagg_grpc = pytest.mark.parametrize("cluster", ["disagg-grpc"], indirect=True)
+
+
+@on_disagg_grpc
+def test_prefix_placement_and_only_missing_blocks_cross(
+    cluster: tuple[str, str], model_dir: Path
+) -> None:
+    _, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    rng = random.Random(3)
+    shared = [rng.randrange(5, 512) for _ in range(10 * BLOCK_SIZE)]
+    first = shared + [rng.randrange(5, 512) for _ in range(13)]
+    second = shared + [rng.randrange(5, 512) for _ in range(21)]
+
+    def placements(role: str) -> dict[str, float]:
+        ids = [w["worker_id"] for w in get_json(f"{url}/workers")["workers"] if w["role"] == role]
+        return {i: metric(url, "pdserve_placements_total", role=role, worker=i) for i in ids}
+
+    def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+        return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+    p0, d0 = placements("prefill"), placements("decode")
+    hits0 = metric(url, "pdserve_prefix_cache_hit_tokens_total", pool="prefill")
+    bytes0 = metric(url, "pdserve_kv_transfer_bytes_total")
+    greedy(c, model, first)
+    p1, d1 = placements("prefill"), placements("decode")
+    bytes1 = metric(url, "pdserve_kv_transfer_bytes_total")
+    greedy(c, model, second)
+    p2, d2 = placements("prefill"), placements("decode")
+    bytes2 = metric(url, "pdserve_kv_transfer_bytes_total")
+
+    (p_first,) = delta(p1, p0)
+    assert delta(p2, p1) == {p_first: 1.0}, "the second request must go to the holder of its prefix"
+    (d_first,) = delta(d1, d0)
+    assert delta(d2, d1) == {d_first: 1.0}
+    assert metric(url, "pdserve_prefix_cache_hit_tokens_total", pool="prefill") - hits0 == (
+        10 * BLOCK_SIZE
+    )
+    # float32, 2 layers, K and V, 2 kv heads, head_dim 16 (hidden 64 / 4 heads)
+    block_bytes = 2 * 2 * 2 * BLOCK_SIZE * 16 * 4
+    blocks = [-(-len(p) // BLOCK_SIZE) for p in (first, second)]
+    assert bytes1 - bytes0 == blocks[0] * block_bytes
+    assert bytes2 - bytes1 == (blocks[1] - 10) * block_bytes, "only the missing blocks cross"
+    assert metric(url, "pdserve_ttft_breakdown_seconds_count", stage="transfer") > 0
+
+
+@on_disagg_grpc
+def test_a_removed_worker_leaves_placement_within_its_lease(
+    cluster: tuple[str, str], model_dir: Path, hf_greedy: Any
+) -> None:
+    _, url = cluster
+    workers = get_json(f"{url}/workers")["workers"]
+    victim = next(w for w in workers if w["role"] == "decode")
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    deadline = killed + LEASE_S + 5.0
+    while time.monotonic() < deadline:  # a bounded wait on the index, not a sleep
+        live = {w["worker_id"] for w in get_json(f"{url}/workers")["workers"]}
+        if victim["worker_id"] not in live:
+            break
+    gone_after = time.monotonic() - killed
+    assert victim["worker_id"] not in live, f"still placed {gone_after:.1f}s after the kill"
+    assert gone_after <= LEASE_S + 1.0
+    before = metric(url, "pdserve_placements_total", role="decode", worker=victim["worker_id"])
+    c = client(url)
+    model = c.models.list().data[0].id
+    prompts = make_prompts(seed=4, n=4)
+    want = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    got = [greedy(c, model, p).choices[0].model_extra["token_ids"] for p in prompts]
+    assert got == want
+    after = metric(url, "pdserve_placements_total", role="decode", worker=victim["worker_id"])
+    assert after == before, "a dead worker's index entries were used"
