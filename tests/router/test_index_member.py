@@ -1,0 +1,124 @@
+"""A worker's index membership against a real redis-server: register, publish, recover."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import redis.asyncio as aioredis
+
+from pdserve.deploy.redis_server import free_port
+from pdserve.engine.block_pool import KVEvent, KVEventKind
+from pdserve.engine.hashing import BlockHash, hash_block_chain, hash_namespace
+from pdserve.router.index_member import IndexMember
+from pdserve.router.prefix_index import PrefixIndex
+
+MODEL = "demo-model"
+CHAIN = hash_block_chain(list(range(40)), 4, hash_namespace(MODEL))
+
+
+class FakeWorker:
+    """What the member reads from a worker: a block pool's events and its contents."""
+
+    def __init__(self) -> None:
+        self.cached: list[BlockHash] = []
+        self.events: list[KVEvent] = []
+
+    def store(self, n: int) -> None:
+        new = CHAIN[len(self.cached) : len(self.cached) + n]
+        self.cached += new
+        self.events.append(KVEvent(KVEventKind.STORED, tuple(new)))
+
+    async def load(self) -> dict[str, int]:
+        return {"running": 0, "kv_blocks_used": len(self.cached)}
+
+    async def drain(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    async def snapshot(self) -> list[KVEvent]:
+        self.events = []
+        return [KVEvent(KVEventKind.STORED, tuple(self.cached))] if self.cached else []
+
+
+def member(index: PrefixIndex, worker: FakeWorker, heartbeat_s: float = 60.0) -> IndexMember:
+    return IndexMember(
+        index,
+        "w1",
+        "decode",
+        "127.0.0.1:9",
+        worker.load,
+        worker.drain,
+        worker.snapshot,
+        heartbeat_s,
+    )
+
+
+async def matched(index: PrefixIndex) -> int:
+    """Blocks of CHAIN the index credits to w1; -1 when w1 is not live."""
+    result = (await index.match(CHAIN)).get("w1")
+    return -1 if result is None else result.matched_blocks
+
+
+def test_flush_publishes_events_and_a_lost_registration_is_rebuilt(redis_url: str) -> None:
+    async def run() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex(client, MODEL, lease_s=30.0)
+        worker = FakeWorker()
+        worker.store(3)
+        m = member(index, worker)
+        await m.start()
+        try:
+            assert m.generation is not None and await matched(index) == 3  # snapshot
+            worker.store(4)
+            await m.flush()
+            assert await matched(index) == 7
+            # The registration is lost (expired in a stall, or Redis was flushed).
+            await client.flushall()
+            assert await matched(index) == -1
+            worker.store(1)
+            await m.flush()  # publish is refused: register again and republish all
+            assert await matched(index) == 8
+            assert m.num_registrations == 2
+        finally:
+            await m.stop()
+        assert await matched(index) == -1, "stop() leaves the index"
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_heartbeats_keep_the_lease_alive(redis_url: str) -> None:
+    async def run() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex(client, MODEL, lease_s=0.5)
+        m = member(index, FakeWorker(), heartbeat_s=0.1)
+        await m.start()
+        try:
+            generation = m.generation
+            await asyncio.sleep(1.5)  # three leases long: only heartbeats keep it alive
+            assert "w1" in await index.match(CHAIN)
+            assert m.generation == generation, "never had to register again"
+        finally:
+            await m.stop()
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_redis_down_is_logged_and_never_raised(caplog: pytest.LogCaptureFixture) -> None:
+    async def run() -> None:
+        client = aioredis.Redis.from_url(
+            f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5
+        )
+        m = member(PrefixIndex(client, MODEL), FakeWorker())
+        await m.start()  # no Redis: the worker must still come up
+        assert m.generation is None
+        with caplog.at_level(logging.WARNING):
+            await m.flush()
+        await m.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+    assert "unreachable" in caplog.text

@@ -1,0 +1,89 @@
+"""Joint placement: cached prefix against load, and the two baselines."""
+
+from __future__ import annotations
+
+import random
+
+from pdserve.deploy.config import Placement, PlacementWeights
+from pdserve.router.placement import Placer
+from pdserve.router.prefix_index import MatchResult, WorkerInfo
+
+BLOCK = 16
+
+
+def match(worker_id: str, role: str, matched: int, **load: int) -> MatchResult:
+    return MatchResult(WorkerInfo(worker_id, role, f"{worker_id}:1", 1, load), matched)
+
+
+def pool(*matches: MatchResult) -> dict[str, MatchResult]:
+    return {m.worker.worker_id: m for m in matches}
+
+
+def placer(policy: Placement = "prefix-aware", seed: int = 0) -> Placer:
+    return Placer(policy, PlacementWeights(), BLOCK, random.Random(seed))
+
+
+def decode_id(p: Placer, matches: dict[str, MatchResult], inflight: dict[str, int]) -> str:
+    choice = p.choose_decode(matches, inflight)
+    assert choice is not None
+    return choice.worker_id
+
+
+def prefill_id(p: Placer, matches: dict[str, MatchResult], prompt_len: int) -> str:
+    choice = p.choose_prefill(matches, prompt_len, {})
+    assert choice is not None
+    return choice.worker_id
+
+
+def test_prefill_goes_to_the_holder_of_the_prefix_when_loads_are_equal() -> None:
+    p = pool(match("a", "prefill", 0), match("b", "prefill", 10))
+    choice = placer().choose_prefill(p, prompt_len=200, inflight_tokens={})
+    assert choice is not None and (choice.worker_id, choice.matched_blocks) == ("b", 10)
+
+
+def test_prefill_leaves_the_holder_when_its_queue_costs_more_than_the_hit() -> None:
+    # b saves 160 tokens of compute but has 500 queued: a finishes this prompt sooner.
+    p = pool(match("a", "prefill", 0), match("b", "prefill", 10, queued_prefill_tokens=500))
+    choice = placer().choose_prefill(p, prompt_len=200, inflight_tokens={})
+    assert choice is not None and choice.worker_id == "a"
+
+
+def test_in_flight_tokens_the_heartbeat_has_not_seen_count_as_queue() -> None:
+    p = pool(match("a", "prefill", 0), match("b", "prefill", 0))
+    choice = placer().choose_prefill(p, prompt_len=50, inflight_tokens={"a": 400})
+    assert choice is not None and choice.worker_id == "b"
+
+
+def test_decode_weighs_running_sequences_kv_usage_and_held_prefix() -> None:
+    total = {"kv_blocks_total": 100}
+    idle_holder = match("a", "decode", 8, running=0, kv_blocks_used=0, **total)
+    busy = match("b", "decode", 0, running=5, kv_blocks_used=50, **total)
+    assert decode_id(placer(), pool(idle_holder, busy), {}) == "a"
+    # The holder is now far busier than what its prefix saves: cost 20 + 18 - 4 > 0.
+    loaded_holder = match("a", "decode", 8, running=20, kv_blocks_used=90, **total)
+    empty = match("b", "decode", 0, running=0, kv_blocks_used=0, **total)
+    assert decode_id(placer(), pool(loaded_holder, empty), {}) == "b"
+    # Requests this router is streaming from a count even before its heartbeat shows them.
+    fresh = pool(match("a", "decode", 0, **total), match("b", "decode", 0, **total))
+    assert decode_id(placer(), fresh, {"a": 3}) == "b"
+
+
+def test_ties_are_broken_at_random_and_every_tied_worker_gets_chosen() -> None:
+    p = pool(*(match(w, "decode", 0) for w in "abcd"))
+    chosen = {decode_id(placer(seed=s), p, {}) for s in range(40)}
+    assert chosen == set("abcd")
+
+
+def test_round_robin_and_random_ignore_prefix_and_load() -> None:
+    p = pool(match("a", "prefill", 10), match("b", "prefill", 0, queued_prefill_tokens=10**6))
+    rr = placer("round-robin")
+    turns = [prefill_id(rr, p, 200) for _ in range(4)]
+    assert turns == ["a", "b", "a", "b"]
+    rnd = placer("random", seed=1)
+    picks = {prefill_id(rnd, p, 200) for _ in range(40)}
+    assert picks == {"a", "b"}
+
+
+def test_an_empty_pool_gives_no_choice() -> None:
+    assert placer().choose_prefill({}, 10, {}) is None
+    assert placer().choose_decode({}, {}) is None
