@@ -64,6 +64,31 @@ def start_cluster(model_dir: Path, *args: str) -> Iterator[str]:
             proc.wait()
             raise AssertionError("pdserve up did not stop within its deadline") from None
         assert code == 0, f"pdserve up exited with {code}"
+        left = _wait_session_empty(proc.pid)
+        assert not left, f"pdserve up left processes behind: {left}"
+
+
+def _session_members(sid: int) -> list[str]:
+    """Processes of a session (ours started `pdserve up` in a new one), by /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited while we looked
+            continue
+        # Fields after the parenthesised command: state ppid pgrp session ...
+        fields = text.rsplit(")", 1)[1].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members.append(text.split(")", 1)[0] + ")")
+    return members
+
+
+def _wait_session_empty(sid: int, timeout_s: float = 15.0) -> list[str]:
+    """A bounded wait: children may finish exiting just after their parent."""
+    deadline = time.monotonic() + timeout_s
+    while (left := _session_members(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 @pytest.fixture(scope="session")

@@ -259,6 +259,35 @@ def test_prefix_placement_and_only_missing_blocks_cross(
 
 
 @on_disagg_grpc
+def test_bad_requests_get_openai_errors_and_the_ttft_breakdown_is_complete(
+    cluster: tuple[str, str],
+) -> None:
+    _, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    bad: list[tuple[dict[str, Any], type[openai.APIStatusError], str | None]] = [
+        ({"model": "no-such-model"}, openai.NotFoundError, "model"),
+        ({"temperature": 7}, openai.BadRequestError, "temperature"),
+        ({"n": 2}, openai.BadRequestError, "n"),
+        ({"max_tokens": 10_000}, openai.BadRequestError, "max_tokens"),
+        ({"prompt": list(range(600))}, openai.BadRequestError, "prompt"),  # > context
+        ({"prompt": [5, 10**6]}, openai.BadRequestError, "prompt"),  # outside the vocab
+    ]
+    for override, error, param in bad:
+        args: dict[str, Any] = {"model": model, "prompt": "The river", "max_tokens": 4}
+        with pytest.raises(error) as info:
+            c.completions.create(**{**args, **override})
+        body = info.value.body
+        assert isinstance(body, dict) and body["param"] == param, body
+        assert body["message"] and body["type"]
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=model, messages=[], max_tokens=4)
+    for stage in ("router_queue", "prefill_queue", "prefill_compute", "transfer", "decode_queue"):
+        assert metric(url, "pdserve_ttft_breakdown_seconds_count", stage=stage) > 0, stage
+    assert get_json(f"{url}/health")["status"] == "ok"
+
+
+@on_disagg_grpc
 def test_a_removed_worker_leaves_placement_within_its_lease(
     cluster: tuple[str, str], model_dir: Path, hf_greedy: Any
 ) -> None:
