@@ -240,9 +240,7 @@ async def measure(url: str, config: ClusterConfig, args: argparse.Namespace) -> 
         router_side = await measure_side(router, args)
         direct_side = await measure_side(direct, args)
     client = f"aiohttp {aiohttp.__version__}"
-    return Report(
-        config.mode, client, args.concurrency, args.duration, router_side, direct_side
-    )
+    return Report(config.mode, client, args.concurrency, args.duration, router_side, direct_side)
 
 
 # -- reporting ---------------------------------------------------------------------------------

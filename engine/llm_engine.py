@@ -269,6 +269,7 @@ class LLMEngine:
             "kv_blocks_used": pool.num_blocks - pool.num_free_blocks,
             "kv_blocks_total": pool.num_blocks,
             "preemptions": sched.stats.num_preemptions,
+            "aborted": sched.stats.num_aborted,
         }
 
     # -- the loop -------------------------------------------------------------------

@@ -61,6 +61,7 @@ class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_chunked_prefill_steps: int = 0  # prefill chunks that left the prompt unfinished
+    num_aborted: int = 0  # requests cancelled before they finished
 
 
 class Scheduler:
@@ -199,4 +200,5 @@ class Scheduler:
         victims = [s for s in (*self.running, *self.waiting) if s.request_id in ids]
         for seq in victims:
             self.finish(seq, FinishReason.ABORT)
+        self.stats.num_aborted += len(victims)
         return victims

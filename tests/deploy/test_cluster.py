@@ -288,6 +288,38 @@ def test_bad_requests_get_openai_errors_and_the_ttft_breakdown_is_complete(
 
 
 @on_disagg_grpc
+def test_a_client_that_goes_away_frees_its_blocks(cluster: tuple[str, str]) -> None:
+    _, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    stream = c.completions.create(
+        model=model,
+        prompt="The river",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+
+    def aborted() -> int:
+        return sum(w["aborted"] for w in get_json(f"{url}/workers")["workers"])
+
+    before = aborted()
+    for _, _ in zip(range(3), stream, strict=False):
+        pass  # a few tokens in: the request is running on a decode worker
+    busy = [w for w in get_json(f"{url}/workers")["workers"] if w["running"]]
+    assert busy, "the request should still be running"
+    stream.close()
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:  # bounded wait for the cancellation to land
+        workers = get_json(f"{url}/workers")["workers"]
+        if not any(w["running"] or w["kv_blocks_used"] for w in workers):
+            break
+    assert_workers_idle(url)
+    assert aborted() == before + 1, "the decode worker must abort it, not run it to the end"
+
+
+@on_disagg_grpc
 def test_a_removed_worker_leaves_placement_within_its_lease(
     cluster: tuple[str, str], model_dir: Path, hf_greedy: Any
 ) -> None:
