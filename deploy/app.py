@@ -12,12 +12,37 @@ from typing import Any, cast
 from ray.serve import Application, Deployment
 
 from pdserve.decode_worker.deployment import DecodeServer
-from pdserve.deploy.config import ClusterConfig
+from pdserve.deploy.config import ClusterConfig, PoolAutoscaling
 from pdserve.prefill_worker.deployment import PrefillServer
 from pdserve.router.app import Router
 
 APP_NAME = "pdserve"
 _TARGETED = {"request_router_class": "pdserve.router.request_router:TargetedRequestRouter"}
+
+
+def _replicas(role: str, initial: int, scaling: PoolAutoscaling | None) -> dict[str, Any]:
+    """Deployment options of a pool: a fixed count, or Serve autoscaling on its signal."""
+    if scaling is None:
+        return {"num_replicas": initial}
+    if role == "prefill":
+        policy = "pdserve.deploy.autoscaling:PrefillPolicy"
+        kwargs: dict[str, float] = {"target_queued_tokens": scaling.target}
+    else:
+        policy = "pdserve.deploy.autoscaling:DecodePolicy"
+        kwargs = {"target_running": scaling.target, "target_kv_usage": scaling.target_kv_usage}
+    return {
+        "num_replicas": "auto",
+        "autoscaling_config": {
+            "min_replicas": scaling.min_replicas,
+            "max_replicas": scaling.max_replicas,
+            "initial_replicas": min(max(initial, scaling.min_replicas), scaling.max_replicas),
+            "upscale_delay_s": scaling.upscale_delay_s,
+            "downscale_delay_s": scaling.downscale_delay_s,
+            "look_back_period_s": scaling.look_back_period_s,
+            "metrics_interval_s": scaling.metrics_interval_s,
+            "policy": {"policy_function": policy, "policy_kwargs": kwargs},
+        },
+    }
 
 
 def build_app(config: ClusterConfig) -> Application:
@@ -34,12 +59,16 @@ def build_app(config: ClusterConfig) -> Application:
         "graceful_shutdown_timeout_s": 30.0,
     }
     decode = cast(Deployment, serve.deployment(DecodeServer)).options(
-        name="Decode", num_replicas=cfg.decode_replicas, **worker_options
+        name="Decode",
+        **_replicas("decode", cfg.decode_replicas, cfg.decode_autoscaling),
+        **worker_options,
     )
     prefill_app = None
     if cfg.mode == "disagg":
         prefill = cast(Deployment, serve.deployment(PrefillServer)).options(
-            name="Prefill", num_replicas=cfg.prefill_replicas, **worker_options
+            name="Prefill",
+            **_replicas("prefill", cfg.prefill_replicas, cfg.prefill_autoscaling),
+            **worker_options,
         )
         prefill_app = prefill.bind(args)
     router = cast(Deployment, Router).options(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pdserve.engine.errors import EngineError
 
@@ -47,6 +49,13 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_arg(text: str | None) -> Any:
+    try:
+        return None if text is None else json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {text!r} ({exc})") from exc
+
+
 def _up(args: argparse.Namespace) -> int:
     from pdserve.deploy.config import ClusterConfig
     from pdserve.deploy.up import run_up
@@ -72,6 +81,8 @@ def _up(args: argparse.Namespace) -> int:
         worker_lease_s=args.worker_lease_s,
         heartbeat_s=args.heartbeat_s,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
+        prefill_autoscaling=_json_arg(args.prefill_autoscaling),
+        decode_autoscaling=_json_arg(args.decode_autoscaling),
     )
     return run_up(config, args.host, args.port, address=args.address)
 
@@ -126,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="how long decode waits for pushed KV before prefilling itself",
     )
+    for pool in ("prefill", "decode"):
+        up.add_argument(
+            f"--{pool}-autoscaling",
+            default=None,
+            metavar="JSON",
+            help=f"autoscale the {pool} pool: JSON of PoolAutoscaling, e.g. "
+            '\'{"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 5}\'',
+        )
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")
     up.set_defaults(func=_up)
 

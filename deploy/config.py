@@ -35,6 +35,32 @@ class PlacementWeights(BaseModel):
     hit: float = Field(default=0.5, ge=0)
 
 
+class PoolAutoscaling(BaseModel):
+    """Ray Serve autoscaling of one pool (`deploy/autoscaling.py` holds the policies).
+
+    `target` is queued prefill tokens per replica for the prefill pool, and running
+    sequences per replica for the decode pool (which also keeps KV usage under
+    `target_kv_usage`). Delays and bounds are Serve's own settings.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(default=4, ge=1)
+    target: float = Field(default=2048.0, gt=0)
+    target_kv_usage: float = Field(default=0.7, gt=0, le=1)
+    upscale_delay_s: float = Field(default=10.0, ge=0)
+    downscale_delay_s: float = Field(default=60.0, ge=0)
+    look_back_period_s: float = Field(default=10.0, gt=0)
+    metrics_interval_s: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolAutoscaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("max_replicas must be >= min_replicas")
+        return self
+
+
 class ClusterConfig(BaseModel):
     """Everything a router, prefill or decode replica needs to know about the cluster."""
 
@@ -52,6 +78,10 @@ class ClusterConfig(BaseModel):
     prefill_replicas: int = Field(default=1, ge=0)
     decode_replicas: int = Field(default=1, ge=1)
     router_replicas: int = Field(default=1, ge=1)
+    # Set a pool's autoscaling to size it by its own signal between min and max replicas
+    # (its *_replicas field is then the initial count).
+    prefill_autoscaling: PoolAutoscaling | None = None
+    decode_autoscaling: PoolAutoscaling | None = None
     replica_num_cpus: float = Field(default=1.0, ge=0)
     replica_num_gpus: float = Field(default=0.0, ge=0)
 

@@ -23,6 +23,13 @@ from pdserve.router.index_member import IndexMember
 from pdserve.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
+_AUTOSCALING_STATS = (
+    "queued_prefill_tokens",
+    "running",
+    "waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+)
 
 
 def replica_id() -> str:
@@ -86,6 +93,11 @@ class WorkerReplica:
             "generation": generation or 0,
             "pid": os.getpid(),
         }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics hook (`deploy/autoscaling.py` reads them)."""
+        load = await self.engine.call(lambda e: e.load())
+        return {name: float(load[name]) for name in _AUTOSCALING_STATS}
 
     def check_health(self) -> None:
         """Ray Serve's health probe: a dead engine thread makes the replica unhealthy."""

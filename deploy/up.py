@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.deploy.config import ClusterConfig
+from pdserve.deploy.config import ClusterConfig, PoolAutoscaling
 from pdserve.deploy.redis_server import EmbeddedRedis
 
 READY_TIMEOUT_S = 600.0
@@ -42,15 +42,21 @@ def _http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 
         return json.loads(resp.read())
 
 
+def _initial(replicas: int, scaling: PoolAutoscaling | None) -> int:
+    if scaling is None:
+        return replicas
+    return min(max(replicas, scaling.min_replicas), scaling.max_replicas)
+
+
 def wait_until_ready(base_url: str, config: ClusterConfig, timeout_s: float) -> None:
     """Poll /health until every replica joined the index, then run one completion.
 
     Raises:
         TimeoutError: the cluster was not ready within timeout_s.
     """
-    want = {"decode": config.decode_replicas}
+    want = {"decode": _initial(config.decode_replicas, config.decode_autoscaling)}
     if config.mode == "disagg":
-        want["prefill"] = config.prefill_replicas
+        want["prefill"] = _initial(config.prefill_replicas, config.prefill_autoscaling)
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
