@@ -81,6 +81,8 @@ def _up(args: argparse.Namespace) -> int:
         worker_lease_s=args.worker_lease_s,
         heartbeat_s=args.heartbeat_s,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
+        prefill_cpus=args.prefill_cpus,
+        decode_cpus=args.decode_cpus,
         prefill_autoscaling=_json_arg(args.prefill_autoscaling),
         decode_autoscaling=_json_arg(args.decode_autoscaling),
     )
@@ -145,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"autoscale the {pool} pool: JSON of PoolAutoscaling, e.g. "
             '\'{"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 5}\'',
         )
+    up.add_argument("--prefill-cpus", default=None, help="pin prefill replicas to these CPUs")
+    up.add_argument("--decode-cpus", default=None, help="pin decode replicas to these CPUs")
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")
     up.set_defaults(func=_up)
 

@@ -20,6 +20,18 @@ Transport = Literal["grpc", "ucx"]
 Placement = Literal["prefix-aware", "round-robin", "random"]
 
 
+def parse_cpu_set(text: str) -> set[int]:
+    """ "0-2,5" -> {0, 1, 2, 5}; raises ValueError for anything else."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, sep, last = part.strip().partition("-")
+        lo, hi = int(first), int(last) if sep else int(first)
+        if lo < 0 or hi < lo:
+            raise ValueError(f"bad CPU range {part!r} in {text!r}")
+        cpus.update(range(lo, hi + 1))
+    return cpus
+
+
 class PlacementWeights(BaseModel):
     """How the prefix-aware placement trades cached prefix against load (DESIGN.md).
 
@@ -83,6 +95,10 @@ class ClusterConfig(BaseModel):
     prefill_autoscaling: PoolAutoscaling | None = None
     decode_autoscaling: PoolAutoscaling | None = None
     replica_num_cpus: float = Field(default=1.0, ge=0)
+    # Linux CPU sets ("0", "0-3", "0,2") a pool's replicas are pinned to, so that on a
+    # shared host prefill and decode never steal each other's cores (benchmarks).
+    prefill_cpus: str | None = None
+    decode_cpus: str | None = None
     replica_num_gpus: float = Field(default=0.0, ge=0)
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -112,6 +128,9 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
+        for cpus in (self.prefill_cpus, self.decode_cpus):
+            if cpus is not None:
+                parse_cpu_set(cpus)
         if self.mode == "disagg" and self.prefill_replicas < 1:
             raise ValueError("disagg mode needs at least one prefill replica")
         if self.heartbeat_s >= self.worker_lease_s:

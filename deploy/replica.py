@@ -8,6 +8,7 @@ so placement stops choosing it, then stops the engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import torch
 
-from pdserve.deploy.config import ClusterConfig
+from pdserve.deploy.config import ClusterConfig, parse_cpu_set
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
@@ -32,6 +33,13 @@ _AUTOSCALING_STATS = (
 )
 
 
+def pin_process(cpus: set[int]) -> None:
+    """Pin every thread of this process (and so the threads it starts later) to `cpus`."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task), cpus)
+
+
 def replica_id() -> str:
     """This process's Ray Serve replica id (the worker id the index and router use)."""
     from ray import serve
@@ -46,6 +54,9 @@ class WorkerReplica:
 
     def __init__(self, config: dict[str, Any], worker_id: str | None = None) -> None:
         self.config = ClusterConfig.model_validate(config)
+        cpus = self.config.prefill_cpus if self.role == "prefill" else self.config.decode_cpus
+        if cpus:
+            pin_process(parse_cpu_set(cpus))
         torch.set_num_threads(self.config.num_threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(self.config.num_threads))
         self.worker_id = worker_id or replica_id()

@@ -25,7 +25,12 @@ MAX_TOKENS = 8
 BLOCK_SIZE = 8
 LEASE_S = 3.0
 CLUSTERS = {
-    "disagg-grpc": ("--mode", "disagg", "--transport", "grpc"),
+    # Pinned pools: prefill on the first CPU, decode on the last (the same one on 1 CPU).
+    "disagg-grpc": (
+        *("--mode", "disagg", "--transport", "grpc"),
+        *("--prefill-cpus", str(min(os.sched_getaffinity(0)))),
+        *("--decode-cpus", str(max(os.sched_getaffinity(0)))),
+    ),
     "disagg-ucx": ("--mode", "disagg", "--transport", "ucx"),
     "colocated": ("--mode", "colocated"),
 }
@@ -285,6 +290,15 @@ def test_bad_requests_get_openai_errors_and_the_ttft_breakdown_is_complete(
     for stage in ("router_queue", "prefill_queue", "prefill_compute", "transfer", "decode_queue"):
         assert metric(url, "pdserve_ttft_breakdown_seconds_count", stage=stage) > 0, stage
     assert get_json(f"{url}/health")["status"] == "ok"
+
+
+@on_disagg_grpc
+def test_pools_are_pinned_to_their_cpus(cluster: tuple[str, str]) -> None:
+    _, url = cluster
+    want = {"prefill": min(os.sched_getaffinity(0)), "decode": max(os.sched_getaffinity(0))}
+    for w in get_json(f"{url}/workers")["workers"]:
+        for task in Path(f"/proc/{w['pid']}/task").iterdir():  # every thread
+            assert os.sched_getaffinity(int(task.name)) == {want[w["role"]]}, (w, task)
 
 
 @on_disagg_grpc
