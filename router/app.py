@@ -23,7 +23,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from ray import serve
 
 from pdserve.deploy.config import ClusterConfig
@@ -50,6 +52,37 @@ api = FastAPI(
 )
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+
+
+def _openapi() -> dict[str, Any]:
+    """The OpenAPI schema, with the request bodies the handlers parse themselves.
+
+    The handlers read the raw body (to bound its size and to answer bad JSON with
+    OpenAI's error body), so FastAPI cannot infer it: the models are added here.
+    """
+    if api.openapi_schema is None:
+        schema = get_openapi(
+            title=api.title, version=api.version, description=api.description, routes=api.routes
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in _BODIES.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": ref}},
+            }
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = _openapi  # type: ignore[method-assign]
 
 
 def _error(exc: ProtocolError) -> JSONResponse:
