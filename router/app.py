@@ -13,10 +13,11 @@ Extensions beyond OpenAI's schema: `top_k`, `ignore_eos`, `stop_token_ids`, and
 
 # NOTE: no `from __future__ import annotations` here: FastAPI must see `Request` as a
 # class, not a string, in methods that Ray Serve's ingress re-binds.
+import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,10 @@ api.openapi = _openapi  # type: ignore[method-assign]
 
 
 def _error(exc: ProtocolError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status_code)
+    headers = {"Retry-After": "1"} if exc.status_code == 429 else None
+    if exc.status_code == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
 
 
 def _upstream_error_body(exc: Exception) -> dict[str, Any]:
@@ -102,6 +106,24 @@ def _upstream_error_body(exc: Exception) -> dict[str, Any]:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _SlotStreamingResponse(StreamingResponse):
+    """A streaming response that releases its request's in-flight slot when sent.
+
+    Starlette always calls the response it is handed, even for a client that has gone
+    away; a generator that never started would never run its own `finally`.
+    """
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], **kw: Any):
+        super().__init__(content, **kw)
+        self._release_slot = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release_slot()
 
 
 class _Request:
@@ -142,6 +164,9 @@ class Router:
         index = PrefixIndex(self.redis, cfg.model_id, cfg.worker_lease_s)
         self.core = RouterCore(cfg, prefill, decode, index)
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+        self._api_keys = [key.encode() for key in cfg.api_keys]
+        self._inflight = 0  # requests admitted and not yet finished, this replica
+        self.core.metrics.inflight.set_function(lambda: self._inflight)
 
     # -- endpoints --------------------------------------------------------------------
 
@@ -166,8 +191,12 @@ class Router:
         return Response(self.core.metrics.render(workers), media_type=CONTENT_TYPE)
 
     @api.get("/workers")
-    async def workers(self) -> JSONResponse:
+    async def workers(self, request: Request) -> JSONResponse:
         """Every live worker's exact state, asked of the worker itself (for operators)."""
+        try:
+            self._authorize(request)
+        except ProtocolError as exc:
+            return _error(exc)
         try:
             workers = await self.core.live_workers()
         except Exception as exc:
@@ -187,36 +216,102 @@ class Router:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        try:
-            req = parse_request(CompletionRequest, await request.body())
-            check_model(req.model, [self.config.model_id])
-            prompt = req.prompt_input()
-            if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt)
-            else:
-                ids = self._check_token_ids(prompt)
-            params = to_sampling_params(req, len(ids), self.max_model_len)
-        except ProtocolError as exc:
-            self.core.metrics.requests.labels("completions", str(exc.status_code)).inc()
-            return _error(exc)
-        return await self._serve(_Request("completion", req, ids, params, arrival))
+        return await self._handle("completion", request)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        return await self._handle("chat", request)
+
+    async def _handle(self, kind: str, request: Request) -> Response:
         arrival = time.monotonic()
+        endpoint = "completions" if kind == "completion" else "chat"
         try:
-            req = parse_request(ChatCompletionRequest, await request.body())
-            check_model(req.model, [self.config.model_id])
-            try:
-                ids = self.tokenizer.encode_chat(req.chat_messages(), req.add_generation_prompt)
-            except InvalidRequestError as exc:
-                raise ProtocolError(str(exc), param="messages") from exc
-            params = to_sampling_params(req, len(ids), self.max_model_len)
+            body = await self._admit(request)  # from here on, this request holds a slot
         except ProtocolError as exc:
-            self.core.metrics.requests.labels("chat", str(exc.status_code)).inc()
+            self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
-        return await self._serve(_Request("chat", req, ids, params, arrival))
+        try:
+            if kind == "completion":
+                r = self._parse_completion(body, arrival)
+            else:
+                r = self._parse_chat(body, arrival)
+        except ProtocolError as exc:
+            self._release()
+            self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
+            return _error(exc)
+        return await self._serve(r)
+
+    def _parse_completion(self, body: bytes, arrival: float) -> _Request:
+        req = parse_request(CompletionRequest, body)
+        check_model(req.model, [self.config.model_id])
+        prompt = req.prompt_input()
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = self._check_token_ids(prompt)
+        params = to_sampling_params(req, len(ids), self.max_model_len)
+        return _Request("completion", req, ids, params, arrival)
+
+    def _parse_chat(self, body: bytes, arrival: float) -> _Request:
+        req = parse_request(ChatCompletionRequest, body)
+        check_model(req.model, [self.config.model_id])
+        try:
+            ids = self.tokenizer.encode_chat(req.chat_messages(), req.add_generation_prompt)
+        except InvalidRequestError as exc:
+            raise ProtocolError(str(exc), param="messages") from exc
+        params = to_sampling_params(req, len(ids), self.max_model_len)
+        return _Request("chat", req, ids, params, arrival)
+
+    # -- admission --------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        """401 unless API keys are off or the bearer token is one (constant-time compare)."""
+        if not self._api_keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        ok = scheme.lower() == "bearer" and any(
+            hmac.compare_digest(given, key) for key in self._api_keys
+        )
+        if not ok:
+            raise ProtocolError(
+                "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                status_code=401,
+                code="invalid_api_key",
+            )
+
+    async def _admit(self, request: Request) -> bytes:
+        """Authorize, bound the in-flight load and the body size; return the body."""
+        self._authorize(request)
+        if self._inflight >= self.config.max_inflight_requests:
+            raise ProtocolError(
+                f"the router is at its limit of {self.config.max_inflight_requests} "
+                "requests in flight; retry later",
+                status_code=429,
+                code="overloaded",
+            )
+        # Taken before the first await: the check and the increment must not be split.
+        self._inflight += 1
+        try:
+            return await self._read_body(request)
+        except BaseException:
+            self._inflight -= 1
+            raise
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ProtocolError(f"the request body exceeds {limit} bytes", status_code=413)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ProtocolError(f"the request body exceeds {limit} bytes", status_code=413)
+        return bytes(body)
+
+    def _release(self) -> None:
+        self._inflight -= 1
 
     # -- serving ------------------------------------------------------------------------
 
@@ -230,12 +325,22 @@ class Router:
         return ids
 
     async def _serve(self, r: _Request) -> Response:
-        endpoint = "completions" if r.kind == "completion" else "chat"
+        """Serve an admitted request; its in-flight slot is released when it ends."""
         items = self.core.generate(r.id, r.prompt_ids, r.params, r.arrival_s)
         if r.req.stream:
-            return StreamingResponse(
-                self._stream(r, items), media_type="text/event-stream", headers=_SSE_HEADERS
+            return _SlotStreamingResponse(
+                self._stream(r, items),
+                release=self._release,
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
             )
+        try:
+            return await self._complete(r, items)
+        finally:
+            self._release()
+
+    async def _complete(self, r: _Request, items: AsyncIterator[dict[str, Any]]) -> Response:
+        endpoint = "completions" if r.kind == "completion" else "chat"
         token_ids: list[int] = []
         text: list[str] = []
         logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []

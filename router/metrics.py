@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pdserve.router.prefix_index import WorkerInfo
@@ -119,6 +119,11 @@ class RouterMetrics:
         )
         self.placements = Counter(
             "pdserve_placements", "Requests placed per worker", ["role", "worker"], registry=r
+        )
+        self.inflight = Gauge(
+            "pdserve_router_inflight_requests",
+            "Requests this router replica admitted and has not finished",
+            registry=r,
         )
         self._workers = _WorkerCollector()
         r.register(self._workers)

@@ -60,7 +60,13 @@ __all__ = [
 
 MAX_CHAT_MESSAGES = 1024
 _MAX_REPORTED_ERRORS = 5
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 _UNSUPPORTED = "unsupported_parameter"  # OpenAI's own code for a parameter a model lacks
 
 

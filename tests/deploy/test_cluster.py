@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,9 +32,15 @@ CLUSTERS = {
         *("--prefill-cpus", str(min(os.sched_getaffinity(0)))),
         *("--decode-cpus", str(max(os.sched_getaffinity(0)))),
     ),
-    "disagg-ucx": ("--mode", "disagg", "--transport", "ucx"),
-    "colocated": ("--mode", "colocated"),
+    # Router limits, small enough to hit: 40 requests in flight, 64 KiB bodies.
+    "disagg-ucx": (
+        *("--mode", "disagg", "--transport", "ucx"),
+        *("--max-inflight-requests", "40", "--max-body-bytes", "65536"),
+    ),
+    # API keys on (every client of this module sends API_KEY).
+    "colocated": ("--mode", "colocated", "--api-keys-file", "{keys}"),
 }
+API_KEY = "sk-test-0123456789"
 COMMON = (
     *("--prefill-replicas", "2", "--decode-replicas", "2", "--dtype", "float32"),
     *("--block-size", str(BLOCK_SIZE), "--replica-cpus", "0", "--threads", "1"),
@@ -62,18 +69,25 @@ def model_dir(make_checkpoint: Any) -> Path:
 
 @pytest.fixture(scope="module", params=list(CLUSTERS))
 def cluster(
-    request: pytest.FixtureRequest, model_dir: Path, pdserve_up: Any
+    request: pytest.FixtureRequest,
+    model_dir: Path,
+    pdserve_up: Any,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, str]]:
-    with pdserve_up(model_dir, *COMMON, *CLUSTERS[request.param]) as url:
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text(f"{API_KEY}\n")
+    flags = [flag.format(keys=keys) for flag in CLUSTERS[request.param]]
+    with pdserve_up(model_dir, *COMMON, *flags) as url:
         yield request.param, url
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+def client(url: str, api_key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=120, max_retries=0)
 
 
 def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as resp:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())
 
 
@@ -204,7 +218,7 @@ def test_32_concurrent_streams_then_nothing_held(
         return [t async for ch in stream for t in ch.choices[0].model_extra["token_ids"]]
 
     async def run() -> list[list[int]]:
-        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, timeout=300, max_retries=0)
         model = (await c.models.list()).data[0].id
         try:
             return list(await asyncio.gather(*(one(c, model, p) for p in prompts)))
@@ -359,3 +373,74 @@ def test_a_removed_worker_leaves_placement_within_its_lease(
     assert got == want
     after = metric(url, "pdserve_placements_total", role="decode", worker=victim["worker_id"])
     assert after == before, "a dead worker's index entries were used"
+
+
+on_limited = pytest.mark.parametrize("cluster", ["disagg-ucx"], indirect=True)
+on_keyed = pytest.mark.parametrize("cluster", ["colocated"], indirect=True)
+
+
+@on_keyed
+def test_api_keys_are_required_when_configured(cluster: tuple[str, str]) -> None:
+    _, url = cluster
+    model = client(url).models.list().data[0].id
+    for key in ("sk-wrong", API_KEY[:-1], API_KEY + "0"):
+        with pytest.raises(openai.AuthenticationError) as info:
+            client(url, api_key=key).completions.create(model=model, prompt="x", max_tokens=1)
+        assert info.value.response.headers["www-authenticate"] == "Bearer"
+    body = json.dumps({"model": model, "prompt": "x"}).encode()
+    no_key = urllib.request.Request(f"{url}/v1/completions", data=body)
+    for req in (no_key, urllib.request.Request(f"{url}/workers")):  # operators' too
+        with pytest.raises(urllib.error.HTTPError) as http:
+            urllib.request.urlopen(req, timeout=30)
+        assert http.value.code == 401
+    assert get_json(f"{url}/health")["status"] == "ok"  # probes need no key
+
+
+@on_limited
+def test_past_its_limits_the_router_sheds_load_with_429_and_413(cluster: tuple[str, str]) -> None:
+    _, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    with pytest.raises(openai.APIStatusError) as info:
+        c.completions.create(model=model, prompt="x " * 40_000, max_tokens=1)
+    assert info.value.status_code == 413
+
+    async def one(ac: openai.AsyncOpenAI) -> str:
+        try:
+            stream = await ac.completions.create(
+                model=model,
+                prompt="The river",
+                max_tokens=64,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            n = sum([len(ch.choices[0].text) >= 0 async for ch in stream])
+            return "ok" if n == 64 else f"short:{n}"
+        except openai.RateLimitError as exc:
+            assert exc.response.headers["retry-after"] == "1"
+            return "429"
+
+    async def flood() -> list[str]:
+        ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        try:
+            return list(await asyncio.gather(*(one(ac) for _ in range(80))))
+        finally:
+            await ac.close()
+
+    outcomes = asyncio.run(flood())
+    assert set(outcomes) == {"ok", "429"}, outcomes
+    assert 0 < outcomes.count("ok") <= 80
+    # Every slot came back: a full batch of 40 is admitted again.
+    assert asyncio.run(_n_ok(url, model, 40)) == 40
+    assert_workers_idle(url)
+
+
+async def _n_ok(url: str, model: str, n: int) -> int:
+    ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    try:
+        outs = await asyncio.gather(
+            *(ac.completions.create(model=model, prompt="x", max_tokens=2) for _ in range(n))
+        )
+        return sum(o.usage.completion_tokens == 2 for o in outs)
+    finally:
+        await ac.close()
