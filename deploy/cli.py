@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pdserve.engine.errors import EngineError
@@ -56,6 +58,14 @@ def _json_arg(text: str | None) -> Any:
         raise ValueError(f"not valid JSON: {text!r} ({exc})") from exc
 
 
+def _api_keys(path: str | None) -> list[str]:
+    """Keys from $PDSERVE_API_KEYS and the file (never from argv: `ps` shows argv)."""
+    keys = [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",")]
+    if path is not None:
+        keys += [line.strip() for line in Path(path).read_text().splitlines()]
+    return [k for k in keys if k]
+
+
 def _up(args: argparse.Namespace) -> int:
     from pdserve.deploy.config import ClusterConfig
     from pdserve.deploy.up import run_up
@@ -81,12 +91,71 @@ def _up(args: argparse.Namespace) -> int:
         worker_lease_s=args.worker_lease_s,
         heartbeat_s=args.heartbeat_s,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
+        api_keys=_api_keys(args.api_keys_file),
+        max_inflight_requests=args.max_inflight_requests,
+        max_body_bytes=args.max_body_bytes,
         prefill_cpus=args.prefill_cpus,
         decode_cpus=args.decode_cpus,
         prefill_autoscaling=_json_arg(args.prefill_autoscaling),
         decode_autoscaling=_json_arg(args.decode_autoscaling),
     )
     return run_up(config, args.host, args.port, address=args.address)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pdserve.benchmarks.bench_cli import run_from_args
+
+    return run_from_args(args)
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser(
+        "bench", help="load-test an OpenAI-compatible server (streaming); write a report"
+    )
+    bench.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="base URL, without /v1 (an API key, if needed: $OPENAI_API_KEY)",
+    )
+    bench.add_argument("--model-id", default=None, help="default: the first of GET /v1/models")
+    bench.add_argument(
+        "--workload",
+        default="shared-prefix",
+        help="shared-prefix | mixed | sharegpt-like | trace:PATH (JSONL: timestamp, "
+        "prompt or prompt_token_ids, output_len)",
+    )
+    load = bench.add_argument_group("arrivals (one of --rate, --users; a trace alone: its times)")
+    load.add_argument("--rate", default=None, help="Poisson req/s; a comma list runs a sweep")
+    load.add_argument("--users", type=int, default=None, help="closed loop of N users")
+    load.add_argument("--num-requests", type=int, default=None, help="per run (default 100)")
+    load.add_argument("--duration", type=float, default=None, help="seconds per run")
+    load.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    shape = bench.add_argument_group("workload shape (None: the workload's default)")
+    for flag, kind, what in (
+        ("--num-prefixes", int, "shared-prefix: K system prompts"),
+        ("--prefix-len", int, "shared-prefix: tokens per system prompt"),
+        ("--suffix-len", int, "shared-prefix: user tokens per request"),
+        ("--output-len", int, "shared-prefix: output tokens; sharegpt-like: median"),
+        ("--prompt-len", int, "sharegpt-like: median prompt tokens"),
+        ("--sigma", float, "sharegpt-like: log-normal shape"),
+        ("--long-fraction", float, "mixed: fraction of long-prompt/short-output requests"),
+        ("--long-prompt-len", int, "mixed"),
+        ("--short-output-len", int, "mixed"),
+        ("--short-prompt-len", int, "mixed"),
+        ("--long-output-len", int, "mixed"),
+    ):
+        shape.add_argument(flag, type=kind, default=None, help=what)
+    model = bench.add_argument_group("fallbacks when GET /v1/models does not say")
+    model.add_argument("--vocab-size", type=int, default=512, help="(the demo model's)")
+    model.add_argument("--max-model-len", type=int, default=2048, help="(the demo model's)")
+    limits = bench.add_argument_group("client deadlines and objectives (seconds)")
+    limits.add_argument("--first-token-timeout", type=float, default=60.0)
+    limits.add_argument("--stall-timeout", type=float, default=30.0, help="between tokens")
+    limits.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT at most")
+    limits.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT at most")
+    bench.add_argument("--out", default="bench-out", help="directory for the report")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(func=_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,10 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"autoscale the {pool} pool: JSON of PoolAutoscaling, e.g. "
             '\'{"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 5}\'',
         )
+    up.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="file with one API key per line; clients must send 'Authorization: Bearer KEY' "
+        "(keys may also come from $PDSERVE_API_KEYS, comma-separated)",
+    )
+    up.add_argument("--max-inflight-requests", type=int, default=1024, help="per router replica")
+    up.add_argument("--max-body-bytes", type=int, default=4 << 20)
     up.add_argument("--prefill-cpus", default=None, help="pin prefill replicas to these CPUs")
     up.add_argument("--decode-cpus", default=None, help="pin decode replicas to these CPUs")
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")
     up.set_defaults(func=_up)
+
+    _add_bench_parser(sub)
 
     demo = sub.add_parser("demo-model", help="write the built-in demo checkpoint to DIR")
     demo.add_argument("dir")
