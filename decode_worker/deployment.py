@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.deploy.replica import WorkerReplica
+from pdserve.deploy.replica import WorkerReplica, resolve_transfer_host
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_receiver
@@ -40,7 +40,7 @@ class DecodeServer(WorkerReplica):
             ReceiverConfig(
                 cluster_token=cfg.cluster_token,
                 layout=layout_of(self.engine.engine.runner.kv_cache),
-                host=cfg.transfer_host,
+                host=resolve_transfer_host(cfg.transfer_host),
                 max_lease_s=max(cfg.kv_wait_timeout_s, 1.0),
                 expect_timeout_s=cfg.kv_wait_timeout_s,
             ),

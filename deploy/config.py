@@ -102,8 +102,8 @@ class ClusterConfig(BaseModel):
     replica_num_gpus: float = Field(default=0.0, ge=0)
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    # Address the KV receivers bind and announce (the decode node's own address in a
-    # multi-node cluster; never all interfaces unless an operator asks for it).
+    # Address the KV receivers bind and announce: "auto" is each decode node's own
+    # address as Ray knows it (multi-node clusters); never all interfaces by default.
     transfer_host: str = "127.0.0.1"
     cluster_token: str = Field(default_factory=lambda: secrets.token_hex(16), repr=False)
 

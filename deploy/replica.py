@@ -40,6 +40,15 @@ def pin_process(cpus: set[int]) -> None:
             os.sched_setaffinity(int(task), cpus)
 
 
+def resolve_transfer_host(host: str) -> str:
+    """ "auto" -> this node's address as Ray knows it (the pod IP on KubeRay)."""
+    if host != "auto":
+        return host
+    import ray.util
+
+    return str(ray.util.get_node_ip_address())
+
+
 def replica_id() -> str:
     """This process's Ray Serve replica id (the worker id the index and router use)."""
     from ray import serve
