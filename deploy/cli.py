@@ -103,6 +103,10 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.compare:
+        from pdserve.benchmarks.compare import compare_from_args
+
+        return compare_from_args(args)
     from pdserve.benchmarks.bench_cli import run_from_args
 
     return run_from_args(args)
@@ -154,6 +158,19 @@ def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     limits.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT at most")
     limits.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT at most")
     bench.add_argument("--out", default="bench-out", help="directory for the report")
+    cmp = bench.add_argument_group("--compare: start configurations here and compare them")
+    cmp.add_argument(
+        "--compare",
+        action="store_true",
+        help="disagg vs colocated on `mixed`, placements on `shared-prefix`; prints ratios",
+    )
+    cmp.add_argument("--model", default=None, help="model folder for the clusters (demo)")
+    cmp.add_argument("--mixed-rate", type=float, default=6.0, help="req/s of the mixed runs")
+    cmp.add_argument("--shared-rate", type=float, default=2.0, help="req/s, shared-prefix")
+    cmp.add_argument("--prefill-replicas", type=int, default=3, help="shared-prefix runs")
+    cmp.add_argument(
+        "--compare-only", action="append", choices=["mixed", "shared-prefix"], default=None
+    )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 
