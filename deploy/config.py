@@ -131,6 +131,7 @@ class ClusterConfig(BaseModel):
     kv_wait_timeout_s: float = Field(default=10.0, gt=0)
     transfer_timeout_s: float = Field(default=30.0, gt=0)
     first_token_timeout_s: float = Field(default=120.0, gt=0)
+    max_resumes: int = Field(default=2, ge=0, description="decode failures one stream survives")
     stall_timeout_s: float = Field(default=120.0, gt=0)
 
     @model_validator(mode="after")

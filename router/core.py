@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -36,6 +37,12 @@ _STATE_TIMEOUT_S = 5.0
 
 class UpstreamError(RuntimeError):
     """No worker could serve the request (all failed, none live, or one stalled)."""
+
+
+class _DecodeFailed(UpstreamError):
+    """The decode worker serving a stream died or broke it: the request can resume."""
+
+    worker_id: str | None = None
 
 
 class RouterCore:
@@ -89,8 +96,13 @@ class RouterCore:
         # request collide there and some are never routed (seen as timeouts).
         return [await ask(w) for w in workers]
 
-    async def place(self, prompt_ids: list[int]) -> tuple[Choice | None, Choice | None]:
-        """(prefill choice or None, decode choice or None) for a prompt."""
+    async def place(
+        self, prompt_ids: list[int], exclude: set[str] | frozenset[str] = frozenset()
+    ) -> tuple[Choice | None, Choice | None]:
+        """(prefill choice or None, decode choice or None) for a prompt.
+
+        `exclude`: workers not to choose (one that just failed this request).
+        """
         hashes = hash_block_chain(prompt_ids, self.config.block_size, self.namespace)
         try:
             matches = await asyncio.wait_for(self.index.match(hashes), _INDEX_TIMEOUT_S)
@@ -102,7 +114,8 @@ class RouterCore:
             matches = {}
         by_role: dict[str, dict[str, MatchResult]] = {"prefill": {}, "decode": {}}
         for worker_id, m in matches.items():
-            by_role.setdefault(m.worker.role, {})[worker_id] = m
+            if worker_id not in exclude:
+                by_role.setdefault(m.worker.role, {})[worker_id] = m
         decode = self.placer.choose_decode(by_role["decode"], self.inflight_decode)
         prefill = None
         if self.prefill is not None:
@@ -120,14 +133,69 @@ class RouterCore:
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield the decode worker's output items for one request.
 
+        If the decode worker dies mid-stream, the request resumes on another one: it
+        prefills the prompt plus the tokens already streamed and goes on from there, so
+        the client sees no gap and no duplicate (greedy and seeded sampling give the same
+        tokens; sampling is keyed by position). At most `max_resumes` times.
+
         Raises:
-            UpstreamError: the request could not be served (no worker, a worker died,
-                no first token within `first_token_timeout_s`, or a stall between tokens
-                longer than `stall_timeout_s`). Nothing is left running on the workers.
+            UpstreamError: the request could not be served (no worker, every attempt
+                failed, no first token within `first_token_timeout_s`, or a stall between
+                tokens longer than `stall_timeout_s`). Nothing is left running on workers.
         """
-        p, d = await self.place(prompt_ids)
+        generated: list[int] = []
+        failed: set[str] = set()
+        for attempt in range(self.config.max_resumes + 1):
+            if generated:
+                remaining = params.max_tokens - len(generated)
+                if remaining <= 0:
+                    return
+                attempt_params = dataclasses.replace(params, max_tokens=remaining)
+            else:
+                attempt_params = params
+            attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
+            try:
+                async for item in self._attempt(
+                    attempt_id,
+                    prompt_ids + generated,
+                    attempt_params,
+                    arrival_s,
+                    first=not generated,
+                    exclude=failed,
+                    allow_prefill_worker=attempt == 0,
+                ):
+                    generated += item["token_ids"]
+                    yield item
+                return
+            except _DecodeFailed as exc:
+                failed.add(exc.worker_id or "")
+                if attempt == self.config.max_resumes:
+                    raise UpstreamError(f"{exc} (after {attempt} resumes)") from exc
+                self.metrics.resumes.inc()
+                logger.warning(
+                    "%s: %s after %d tokens; resuming on another decode worker",
+                    request_id,
+                    exc,
+                    len(generated),
+                )
+
+    async def _attempt(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_s: float,
+        first: bool,
+        exclude: set[str],
+        allow_prefill_worker: bool,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """One placement and dual dispatch; raises _DecodeFailed if D dies."""
+        p, d = await self.place(prompt_ids, exclude)
+        if not allow_prefill_worker:
+            p = None  # a resume prefills on D itself: the tokens so far are already known
         kv_expected = p is not None and d is not None
-        self.metrics.ttft_stage.labels("router_queue").observe(time.monotonic() - arrival_s)
+        if first:
+            self.metrics.ttft_stage.labels("router_queue").observe(time.monotonic() - arrival_s)
         d_target = d.worker_id if d is not None else None
         if d_target is not None:
             self.metrics.placements.labels("decode", d_target).inc()
@@ -137,14 +205,15 @@ class RouterCore:
         )
         prefill_task: asyncio.Task[None] | None = None
         finished = False
+        serving = d_target
         try:
             accepted = await self._next(stream, self.config.first_token_timeout_s, "accepted")
+            serving = accepted.get("worker_id", d_target)
             if accepted["kv_expected"]:
                 assert p is not None and d is not None
                 prefill_task = asyncio.create_task(
                     self._prefill(request_id, prompt_ids, params, p, d)
                 )
-            first = True
             timeout = self.config.first_token_timeout_s
             while not finished:
                 item = await self._next(stream, timeout, "token")
@@ -152,7 +221,8 @@ class RouterCore:
                     self._record_first(item, arrival_s)
                     if accepted["kv_expected"] and not item.get("kv_used"):
                         self.metrics.local_fallbacks.inc()
-                    first, timeout = False, self.config.stall_timeout_s
+                    first = False
+                timeout = self.config.stall_timeout_s
                 finished = item["finished"]
                 if finished and prefill_task is not None:
                     # The push ended before D's first token; wait for P's report so
@@ -162,6 +232,9 @@ class RouterCore:
                             asyncio.shield(prefill_task), self.config.transfer_timeout_s
                         )
                 yield item
+        except _DecodeFailed as exc:
+            exc.worker_id = serving
+            raise
         finally:
             if d_target is not None:
                 self.inflight_decode[d_target] -= 1
@@ -180,12 +253,12 @@ class RouterCore:
         except TimeoutError as exc:
             raise UpstreamError(f"no {what} from the decode worker within {timeout_s:g}s") from exc
         except StopAsyncIteration as exc:
-            raise UpstreamError("the decode worker ended the stream early") from exc
+            raise _DecodeFailed("the decode worker ended the stream early") from exc
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a dead replica, a failed call: Ray's error types
             logger.warning("decode call failed: %r", exc)
-            raise UpstreamError(f"the decode worker failed: {type(exc).__name__}") from exc
+            raise _DecodeFailed(f"the decode worker failed: {type(exc).__name__}") from exc
 
     async def _prefill(
         self,

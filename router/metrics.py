@@ -117,6 +117,11 @@ class RouterMetrics:
             "Disaggregated requests the decode worker prefilled itself",
             registry=r,
         )
+        self.resumes = Counter(
+            "pdserve_decode_resumes",
+            "Streams resumed on another decode worker after theirs failed",
+            registry=r,
+        )
         self.placements = Counter(
             "pdserve_placements", "Requests placed per worker", ["role", "worker"], registry=r
         )

@@ -1,0 +1,74 @@
+"""A decode worker killed mid-stream: the stream resumes elsewhere, tokens exact.
+
+Real cluster (`pdserve up`, 1 prefill + 2 decode workers), a tiny float32 checkpoint,
+the official client. The replica serving a long greedy stream is SIGKILLed after a few
+tokens; the client must receive exactly `transformers`' greedy tokens, with no gap and
+no duplicate, and afterwards no KV block may be referenced and no transfer pending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+
+MAX_TOKENS = 600
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def test_a_stream_survives_its_decode_worker_dying(
+    make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+) -> None:
+    model_dir = Path(make_checkpoint(max_position_embeddings=1024))
+    rng = random.Random(11)
+    prompt = [rng.randrange(5, 512) for _ in range(40)]
+    (want,) = hf_greedy(model_dir, [prompt], MAX_TOKENS)
+    flags = (
+        *("--prefill-replicas", "1", "--decode-replicas", "2", "--replica-cpus", "0"),
+        *("--dtype", "float32", "--block-size", "8", "--threads", "1"),
+        *("--heartbeat-s", "0.5", "--worker-lease-s", "3"),
+    )
+    with pdserve_up(model_dir, *flags) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        got: list[int] = []
+        killed = None
+        for chunk in stream:
+            got += chunk.choices[0].model_extra["token_ids"]
+            if killed is None and len(got) >= 8:
+                busy = [w for w in get_json(f"{url}/workers")["workers"] if w["running"]]
+                assert len(busy) == 1 and busy[0]["role"] == "decode", busy
+                killed = busy[0]
+                os.kill(killed["pid"], signal.SIGKILL)
+        assert killed is not None
+        assert got == want, "the resumed stream must continue exactly where it broke"
+        assert metric(url, "pdserve_decode_resumes_total") == 1.0
+        for w in get_json(f"{url}/workers")["workers"]:
+            if w["worker_id"] != killed["worker_id"] and "error" not in w:
+                assert (w["running"], w["kv_blocks_used"]) == (0, 0), w
+                assert w.get("pending_transfers", 0) == 0, w
