@@ -1,0 +1,102 @@
+"""Redis goes away and comes back: serving never stops, the index is rebuilt.
+
+While Redis is down the router places by load only (every request still gets the
+reference tokens, `/health` says "degraded"); when it returns, the workers register again
+and republish what they hold, so placement by cached prefix works again: a request
+sharing a prefix that the decode worker cached before the outage ships only the blocks
+it lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from pdserve.deploy.redis_server import EmbeddedRedis
+
+BLOCK_SIZE = 8
+MAX_TOKENS = 6
+REJOIN_DEADLINE_S = 30.0
+
+
+def get_json(url: str) -> Any:
+    """The JSON body, whatever the status (/health answers 503 while workers rejoin)."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def test_serving_survives_a_redis_outage_and_the_index_is_rebuilt(
+    make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+) -> None:
+    model_dir = Path(make_checkpoint())
+    rng = random.Random(21)
+    shared = [rng.randrange(5, 512) for _ in range(10 * BLOCK_SIZE)]
+    first = shared + [rng.randrange(5, 512) for _ in range(5)]
+    during = [rng.randrange(5, 512) for _ in range(30)]
+    after = shared + [rng.randrange(5, 512) for _ in range(19)]
+    want = hf_greedy(model_dir, [first, during, after], MAX_TOKENS)
+    redis = EmbeddedRedis().start()
+    flags = (
+        *("--prefill-replicas", "1", "--decode-replicas", "1", "--replica-cpus", "0"),
+        *("--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--threads", "1"),
+        *("--heartbeat-s", "0.5", "--worker-lease-s", "3", "--redis-url", redis.url),
+    )
+    try:
+        with pdserve_up(model_dir, *flags) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            model = client.models.list().data[0].id
+
+            def greedy(prompt: list[int]) -> list[int]:
+                out = client.completions.create(
+                    model=model,
+                    prompt=prompt,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                )
+                return list(out.choices[0].model_extra["token_ids"])
+
+            assert greedy(first) == want[0]
+            redis.stop()
+            assert get_json(f"{url}/health")["status"] == "degraded"
+            assert greedy(during) == want[1], "load-only placement must still serve"
+
+            redis = EmbeddedRedis(port=redis.port).start()  # empty: the index is gone
+            deadline = time.monotonic() + REJOIN_DEADLINE_S
+            health = get_json(f"{url}/health")
+            while health["status"] != "ok" and time.monotonic() < deadline:
+                time.sleep(0.2)  # the poll period of an external condition
+                health = get_json(f"{url}/health")
+            assert health == {
+                "status": "ok",
+                "mode": "disagg",
+                "workers": {"prefill": 1, "decode": 1},
+            }
+
+            sent_before = metric(url, "pdserve_kv_transfer_bytes_total")
+            assert greedy(after) == want[2]
+            sent = metric(url, "pdserve_kv_transfer_bytes_total") - sent_before
+            # float32, 2 layers, K and V, 2 kv heads, head_dim 16
+            block_bytes = 2 * 2 * 2 * BLOCK_SIZE * 16 * 4
+            missing = -(-len(after) // BLOCK_SIZE) - 10
+            assert sent == missing * block_bytes, "the rebuilt index knows D's cached prefix"
+    finally:
+        redis.stop()
