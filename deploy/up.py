@@ -11,6 +11,7 @@ started, leaving no process behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -176,6 +177,11 @@ def run_up(
     finally:
         if ray.is_initialized():
             try:
+                # Deleting the app first is Serve's graceful path: every replica stops
+                # taking requests and finishes those it holds (streams included, within
+                # its graceful_shutdown_timeout_s) while the HTTP proxy still runs.
+                with contextlib.suppress(Exception):
+                    serve.delete(APP_NAME, _blocking=True)
                 serve.shutdown()
             finally:
                 ray.shutdown()
