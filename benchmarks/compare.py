@@ -76,6 +76,15 @@ def cpu_halves() -> tuple[str, str, str]:
 @contextlib.contextmanager
 def cluster(model: str | None, flags: Sequence[str]) -> Iterator[str]:
     """Run `pdserve up FLAGS` on a free loopback port; yield its URL; stop it after."""
+    with cluster_process(model, flags) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def cluster_process(
+    model: str | None, flags: Sequence[str]
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`cluster`, also yielding the `pdserve up` process (its pid is its session id)."""
     argv = [sys.executable, "-m", "pdserve.deploy.cli", "up", "--port", str(free_port())]
     argv += ["--model", model] if model else []
     proc = subprocess.Popen(
@@ -85,7 +94,7 @@ def cluster(model: str | None, flags: Sequence[str]) -> Iterator[str]:
     try:
         line = wait_for_line(proc.stdout, "pdserve ready at ", START_TIMEOUT_S)
         drain(proc.stdout)
-        yield line.split("pdserve ready at ", 1)[1].strip()
+        yield line.split("pdserve ready at ", 1)[1].strip(), proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
