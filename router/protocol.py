@@ -22,7 +22,6 @@ and a server that rejected them would break those clients.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -36,7 +35,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, from_json
 
 from pdserve.engine.sampling_params import (
     MAX_LOGPROBS,
@@ -59,6 +58,12 @@ __all__ = [
 ]
 
 MAX_CHAT_MESSAGES = 1024
+# Below this a temperature means greedy, as in vLLM (`_SAMPLING_EPS`): the sampler divides
+# float32 logits by it, and temperature=1e-300 (0 in float32) made inf/NaN probabilities.
+_GREEDY_BELOW_TEMPERATURE = 1e-5
+# The smallest normal float32. Any top_p > 0 keeps the top token, but float32 rounds
+# top_p=1e-300 to 0, which dropped every token; clamping to this keeps the same filter.
+_MIN_TOP_P = 1.1754943508222875e-38
 _MAX_REPORTED_ERRORS = 5
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -154,7 +159,10 @@ class _SamplingRequest(BaseModel):
     model: str
     temperature: float | None = Field(1.0, ge=0, le=2)
     top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(0, ge=-1, description="Extension: 0 or -1 disables top-k.")
+    # NOTE: bounded to int64: the sampler puts top_k in a torch tensor, and a larger value
+    # (top_k=2**70) raised inside the engine's step, closing the worker's engine (503s for
+    # every request there until Serve's health check replaced the replica).
+    top_k: Int64 | None = Field(0, ge=-1, description="Extension: 0 or -1 disables top-k.")
     seed: Int64 | None = None
     stop: Stop | None = None
     stop_token_ids: list[TokenId] | None = Field(None, description="Extension.")
@@ -365,9 +373,12 @@ def parse_request(model_cls: type[RequestT], body: bytes | str | Mapping[str, An
         ProtocolError: 400 when the body is not JSON, not an object, or fails validation.
     """
     if isinstance(body, bytes | str):
+        # NOTE: not `json.loads`, which accepts lone surrogate escapes ("\ud800"): such a
+        # string reached the tokenizer and failed there with a 500. pydantic's parser
+        # rejects them (and non-UTF-8 bodies), and bounds nesting without a RecursionError.
         try:
-            body = json.loads(body)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+            body = from_json(body)
+        except (ValueError, TypeError) as exc:  # TypeError: a str holding a lone surrogate
             raise ProtocolError("request body is not valid JSON") from exc
     if not isinstance(body, Mapping):
         raise ProtocolError("request body must be a JSON object")
@@ -443,11 +454,12 @@ def to_sampling_params(
     """
     max_tokens = _check_lengths(req, prompt_len, max_model_len)
     stop = req.stop if req.stop is not None else ()
+    temperature = 1.0 if req.temperature is None else req.temperature
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=0.0 if temperature < _GREEDY_BELOW_TEMPERATURE else temperature,
+            top_p=1.0 if req.top_p is None else max(req.top_p, _MIN_TOP_P),
             top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,
             seed=req.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
