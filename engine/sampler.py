@@ -59,7 +59,11 @@ class Sampler:
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
         sorted_logits.masked_fill_(ranks >= top_k.unsqueeze(1), float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        # Clamped to float32's smallest normal: a tinier top_p rounds to 0 and would drop
+        # every token (any top_p > 0 keeps the top one).
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device).clamp(
+            min=torch.finfo(torch.float32).tiny
+        )
         # Drop a token when the tokens ranked above it already reach top_p (keeps >= 1).
         drop = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
         probs = probs.masked_fill(drop, 0.0)

@@ -9,6 +9,9 @@ from pdserve.engine.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+# Below this a temperature samples greedily (vLLM's _SAMPLING_EPS): dividing float32
+# logits by a smaller one overflows to inf/NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,10 @@ class SamplingParams:
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (
+                -1 <= self.top_k < 2**31,
+                f"top_k must be -1, 0 or positive (below 2**31), got {self.top_k}",
+            ),
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
@@ -64,4 +70,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1

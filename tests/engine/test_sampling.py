@@ -175,3 +175,21 @@ def test_seeded_tokens_survive_preemption(demo_model_dir: Path) -> None:
     assert tight.engine.scheduler.stats.num_preemptions > 0
     assert got == expected
     tight.engine.block_pool.check_no_leaks()
+
+
+def test_extreme_but_legal_sampling_values_never_break_a_step() -> None:
+    """Found by fuzzing the router: each of these once raised inside the engine's step."""
+    from pdserve.engine.sampler import Sampler
+
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.randn(3, 50)
+    params = [
+        SamplingParams(temperature=1e-300, seed=1),  # 0 in float32: greedy
+        SamplingParams(top_p=5e-324, seed=2),  # 0 in float32: keeps the top token
+        SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=3),
+    ]
+    out = sampler(logits, [0, 0, 0], params)
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.token_ids[1] == int(logits[1].argmax())
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**70)
