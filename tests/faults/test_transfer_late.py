@@ -1,0 +1,67 @@
+"""KV that arrives after the decode worker stopped waiting: local prefill, nothing leaks.
+
+The decode workers here wait only 1 ms for pushed KV, so every push is late: each decode
+worker must prefill locally and still return the reference tokens, the late push must be
+refused and freed on both sides, and afterwards no block is referenced and no transfer
+pending. (Corrupted and truncated transfers end in the same fallback; the transport's
+conformance suite, tests/kv_transfer, shows them refused and freed on both sides.)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+
+MAX_TOKENS = 6
+NUM_REQUESTS = 6
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def test_late_kv_falls_back_to_local_prefill_and_is_freed(
+    make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+) -> None:
+    model_dir = Path(make_checkpoint())
+    rng = random.Random(51)
+    prompts = [[rng.randrange(5, 512) for _ in range(30 + 11 * i)] for i in range(NUM_REQUESTS)]
+    want = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    flags = (
+        *("--prefill-replicas", "1", "--decode-replicas", "1", "--replica-cpus", "0"),
+        *("--dtype", "float32", "--block-size", "8", "--threads", "1"),
+        *("--kv-wait-timeout-s", "0.001"),
+    )
+    with pdserve_up(model_dir, *flags) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        fallbacks = metric(url, "pdserve_decode_local_prefill_fallbacks_total")
+        for prompt, ref in zip(prompts, want, strict=True):
+            out = client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
+            assert out.choices[0].model_extra["token_ids"] == ref
+        fallbacks = metric(url, "pdserve_decode_local_prefill_fallbacks_total") - fallbacks
+        assert fallbacks == NUM_REQUESTS, "every decode worker must have prefilled itself"
+        assert metric(url, "pdserve_kv_transfer_failures_total") >= NUM_REQUESTS
+        for w in get_json(f"{url}/workers")["workers"]:
+            assert (w["running"], w["waiting"], w["kv_blocks_used"]) == (0, 0, 0), w
+            assert w.get("pending_transfers", 0) == 0, w
