@@ -52,7 +52,8 @@ class CompareConfig:
     num_requests: int = 48
     seed: int = 0
     block_size: int = 16
-    mixed_rate: float = 6.0
+    mixed_rate: float = 4.0
+    mixed_requests: int = 160  # p99 TPOT needs many long-output requests
     shared_rate: float = 2.0
     prefill_replicas: int = 3
     scenarios: tuple[str, ...] = ("mixed", "shared-prefix")
@@ -131,7 +132,12 @@ def model_info(url: str, vocab_size: int = 512) -> ModelInfo:
 
 
 def _run(
-    url: str, workload: Workload, rate: float, cfg: CompareConfig, model: ModelInfo
+    url: str,
+    workload: Workload,
+    rate: float,
+    cfg: CompareConfig,
+    model: ModelInfo,
+    num_requests: int | None = None,
 ) -> BenchResult:
     return asyncio.run(
         run_benchmark(
@@ -139,7 +145,7 @@ def _run(
             workload,
             Poisson(rate=rate, seed=cfg.seed),
             cfg.slo,
-            num_requests=cfg.num_requests,
+            num_requests=num_requests or cfg.num_requests,
             seed=cfg.seed,
             model=model,
             progress=False,
@@ -192,7 +198,9 @@ def _compare_modes(
     for name, flags in setups.items():
         print(f"compare: mixed on {name} ...", file=sys.stderr, flush=True)
         with cluster(cfg.model, [*common, *flags]) as url:
-            mixed_results[name] = _run(url, mixed, cfg.mixed_rate, cfg, model_info(url))
+            mixed_results[name] = _run(
+                url, mixed, cfg.mixed_rate, cfg, model_info(url), cfg.mixed_requests
+            )
     d, c = mixed_results["disagg"].summary, mixed_results["colocated"].summary
     return {
         "rate": cfg.mixed_rate,
@@ -252,7 +260,7 @@ def render(report: dict[str, Any], cfg: CompareConfig) -> str:
 
 def _render_modes(m: dict[str, Any], cfg: CompareConfig) -> list[str]:
     lines = [
-        f"## mixed at {m['rate']:g} req/s, {cfg.num_requests} requests "
+        f"## mixed at {m['rate']:g} req/s, {cfg.mixed_requests} requests "
         f"(SLO: TTFT <= {cfg.slo.ttft_s:g} s, TPOT <= {cfg.slo.tpot_s:g} s)",
         "",
         "| config | ok | goodput (req/s) | TTFT p50 (ms) | TPOT p99 (ms) |",

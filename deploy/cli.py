@@ -165,7 +165,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="disagg vs colocated on `mixed`, placements on `shared-prefix`; prints ratios",
     )
     cmp.add_argument("--model", default=None, help="model folder for the clusters (demo)")
-    cmp.add_argument("--mixed-rate", type=float, default=6.0, help="req/s of the mixed runs")
+    cmp.add_argument("--mixed-rate", type=float, default=4.0, help="req/s of the mixed runs")
     cmp.add_argument("--shared-rate", type=float, default=2.0, help="req/s, shared-prefix")
     cmp.add_argument("--prefill-replicas", type=int, default=3, help="shared-prefix runs")
     cmp.add_argument(
