@@ -8,6 +8,7 @@ prefix-hit rate per pool and the mean TTFT per stage of pdserve's request path;
 
 from __future__ import annotations
 
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -68,6 +69,17 @@ def parse_scrape(text: str) -> Scrape:
         for sample in family.samples:
             out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
     return out
+
+
+def sample(scrape: Scrape, name: str, **labels: str) -> float:
+    """One sample of a scrape, by its name and exact labels; 0 when absent."""
+    return scrape.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def scrape_metrics(base_url: str, timeout_s: float = 30.0) -> Scrape:
+    """`GET {base_url}/metrics`, parsed (blocking: for tests and scripts)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout_s) as resp:
+        return parse_scrape(resp.read().decode())
 
 
 def _deltas(before: Scrape, after: Scrape, name: str, label: str) -> dict[str, float]:

@@ -70,6 +70,29 @@ def drain(stream: IO[Any]) -> threading.Thread:
     return thread
 
 
+def session_members(sid: int) -> list[str]:
+    """Live processes of a session (`start_new_session=True` children: sid = their pid)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited while we looked
+            continue
+        # Fields after the parenthesised command: state ppid pgrp session ...
+        fields = text.rsplit(")", 1)[1].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members.append(text.split(")", 1)[0] + ")")
+    return members
+
+
+def wait_session_empty(sid: int, timeout_s: float = 15.0) -> list[str]:
+    """Wait (bounded) for a session's processes to exit; return those still alive."""
+    deadline = time.monotonic() + timeout_s
+    while (left := session_members(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)  # children of an exited parent: no event to wait on
+    return left
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

@@ -20,7 +20,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -29,7 +30,8 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.deploy.redis_server import drain, free_port, wait_for_line
+from pdserve.benchmarks.bench_report import sample, scrape_metrics
+from pdserve.deploy.redis_server import drain, free_port, wait_for_line, wait_session_empty
 from pdserve.engine.demo_model import write_demo_model
 
 # NOTE: `triton.jit` decides when a kernel module is imported whether kernels are compiled
@@ -262,34 +264,36 @@ def start_cluster(model_dir: Path, *args: str) -> Iterator[str]:
             proc.wait()
             raise AssertionError("pdserve up did not stop within its deadline") from None
         assert code == 0, f"pdserve up exited with {code}"
-        left = _wait_session_empty(proc.pid)
+        left = wait_session_empty(proc.pid)
         assert not left, f"pdserve up left processes behind: {left}"
-
-
-def _session_members(sid: int) -> list[str]:
-    """Processes of a session (ours started `pdserve up` in a new one), by /proc."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # exited while we looked
-            continue
-        # Fields after the parenthesised command: state ppid pgrp session ...
-        fields = text.rsplit(")", 1)[1].split()
-        if int(fields[3]) == sid and fields[0] != "Z":
-            members.append(text.split(")", 1)[0] + ")")
-    return members
-
-
-def _wait_session_empty(sid: int, timeout_s: float = 15.0) -> list[str]:
-    """A bounded wait: children may finish exiting just after their parent."""
-    deadline = time.monotonic() + timeout_s
-    while (left := _session_members(sid)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
 
 
 @pytest.fixture(scope="session")
 def pdserve_up() -> Callable[..., AbstractContextManager[str]]:
     """`with pdserve_up(model_dir, *flags) as url:` runs `pdserve up` for the block."""
     return start_cluster
+
+
+class Api:
+    """HTTP helpers for tests against a running cluster (the `api` fixture)."""
+
+    @staticmethod
+    def get_json(url: str, any_status: bool = False) -> Any:
+        """GET a JSON body; with any_status, an error status's body too (e.g. /health 503)."""
+        try:
+            with urllib.request.urlopen(url, timeout=30) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            if not any_status:
+                raise
+            return json.loads(exc.read())
+
+    @staticmethod
+    def metric(url: str, name: str, **labels: str) -> float:
+        """One sample of the router's /metrics (0 if absent), matched by name and labels."""
+        return sample(scrape_metrics(url), name, **labels)
+
+
+@pytest.fixture(scope="session")
+def api() -> type[Api]:
+    return Api

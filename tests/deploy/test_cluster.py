@@ -22,6 +22,8 @@ from typing import Any
 import openai
 import pytest
 
+from pdserve.benchmarks.bench_report import sample, scrape_metrics
+
 MAX_TOKENS = 8
 BLOCK_SIZE = 8
 LEASE_S = 3.0
@@ -93,18 +95,7 @@ def get_json(url: str) -> Any:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """One sample of /metrics (0 if absent), matched by name and labels."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        series, _, label_text = key.partition("{")
-        got = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
-        if series == name and got == want:
-            return float(value)
-    return 0.0
+    return sample(scrape_metrics(url), name, **labels)
 
 
 def greedy(c: openai.OpenAI, model: str, prompt: list[int] | str, **kw: Any) -> Any:

@@ -32,7 +32,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.redis_server import EmbeddedRedis, free_port
+from pdserve.deploy.redis_server import EmbeddedRedis, free_port, wait_session_empty
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 SERVE_CONFIG = REPO_DIR / "deploy" / "serve_config.yaml"
@@ -70,28 +70,6 @@ def render_serve_config(model_dir: Path, redis_url: str, port: int, out: Path) -
     return out
 
 
-def _session_members(sid: int) -> list[str]:
-    """Processes of a session, by /proc (tests cannot import tests/deploy/conftest.py)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # exited while we looked
-            continue
-        # Fields after the parenthesised command: state ppid pgrp session ...
-        fields = text.rsplit(")", 1)[1].split()
-        if int(fields[3]) == sid and fields[0] != "Z":
-            members.append(text.split(")", 1)[0] + ")")
-    return members
-
-
-def _wait_session_empty(sid: int, timeout_s: float = 15.0) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while (left := _session_members(sid)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
-
-
 def _log_tail(log_path: Path, num_chars: int = 6000) -> str:
     return log_path.read_text(errors="replace")[-num_chars:]
 
@@ -121,7 +99,7 @@ def _stop(proc: subprocess.Popen[bytes], log_path: Path) -> None:
         code = proc.wait(STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         code = None
-    left = _wait_session_empty(proc.pid)
+    left = wait_session_empty(proc.pid)
     if code is None or left:
         os.killpg(proc.pid, signal.SIGKILL)  # never leave a Ray cluster on a shared box
         proc.wait()

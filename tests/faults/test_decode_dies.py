@@ -8,11 +8,9 @@ no duplicate, and afterwards no KV block may be referenced and no transfer pendi
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +19,8 @@ import openai
 MAX_TOKENS = 600
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return json.loads(resp.read())
-
-
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
-
-
 def test_a_stream_survives_its_decode_worker_dying(
-    make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
 ) -> None:
     model_dir = Path(make_checkpoint(max_position_embeddings=1024))
     rng = random.Random(11)
@@ -61,14 +46,14 @@ def test_a_stream_survives_its_decode_worker_dying(
         for chunk in stream:
             got += chunk.choices[0].model_extra["token_ids"]
             if killed is None and len(got) >= 8:
-                busy = [w for w in get_json(f"{url}/workers")["workers"] if w["running"]]
+                busy = [w for w in api.get_json(f"{url}/workers")["workers"] if w["running"]]
                 assert len(busy) == 1 and busy[0]["role"] == "decode", busy
                 killed = busy[0]
                 os.kill(killed["pid"], signal.SIGKILL)
         assert killed is not None
         assert got == want, "the resumed stream must continue exactly where it broke"
-        assert metric(url, "pdserve_decode_resumes_total") == 1.0
-        for w in get_json(f"{url}/workers")["workers"]:
+        assert api.metric(url, "pdserve_decode_resumes_total") == 1.0
+        for w in api.get_json(f"{url}/workers")["workers"]:
             if w["worker_id"] != killed["worker_id"] and "error" not in w:
                 assert (w["running"], w["kv_blocks_used"]) == (0, 0), w
                 assert w.get("pending_transfers", 0) == 0, w

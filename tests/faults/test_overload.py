@@ -9,8 +9,6 @@ nothing is held on any worker, and the router's memory has not grown with the fl
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,19 +18,6 @@ import aiohttp
 LIMIT = 16
 FLOOD = 400
 RSS_GROWTH_LIMIT_MIB = 64.0
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return json.loads(resp.read())
-
-
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
 
 
 def router_rss_mib() -> float:
@@ -83,7 +68,7 @@ async def flood(url: str) -> Counter[str]:
 
 
 def test_a_flood_is_shed_with_429_and_leaves_nothing_behind(
-    make_checkpoint: Any, pdserve_up: Any
+    api: Any, make_checkpoint: Any, pdserve_up: Any
 ) -> None:
     model_dir = Path(make_checkpoint())
     flags = (
@@ -94,13 +79,13 @@ def test_a_flood_is_shed_with_429_and_leaves_nothing_behind(
     with pdserve_up(model_dir, *flags) as url:
         asyncio.run(flood(url))  # warm-up: the router's caches and pools reach size
         rss_before = router_rss_mib()
-        aborted_before = sum(w["aborted"] for w in get_json(f"{url}/workers")["workers"])
+        aborted_before = sum(w["aborted"] for w in api.get_json(f"{url}/workers")["workers"])
         outcomes = asyncio.run(flood(url))
         assert set(outcomes) <= {"ok", "429", "hung up"}, outcomes
         assert outcomes["429"] > 0 and outcomes["ok"] > 0, outcomes
         assert router_rss_mib() - rss_before < RSS_GROWTH_LIMIT_MIB
-        assert metric(url, "pdserve_router_inflight_requests") == 0
-        workers = get_json(f"{url}/workers")["workers"]
+        assert api.metric(url, "pdserve_router_inflight_requests") == 0
+        workers = api.get_json(f"{url}/workers")["workers"]
         for w in workers:
             assert (w["running"], w["waiting"], w["kv_blocks_used"]) == (0, 0, 0), w
             assert w.get("pending_transfers", 0) == 0, w

@@ -8,12 +8,10 @@ tokens; afterwards nothing is held and no transfer is pending.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +21,8 @@ MAX_TOKENS = 6
 KV_WAIT_S = 30.0  # long on purpose: a request that waited it out would show
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return json.loads(resp.read())
-
-
 def test_requests_survive_a_dead_prefill_worker(
-    make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
 ) -> None:
     model_dir = Path(make_checkpoint())
     rng = random.Random(41)
@@ -42,7 +35,7 @@ def test_requests_survive_a_dead_prefill_worker(
         *("--kv-wait-timeout-s", str(KV_WAIT_S)),
     )
     with pdserve_up(model_dir, *flags) as url:
-        workers = get_json(f"{url}/workers")["workers"]
+        workers = api.get_json(f"{url}/workers")["workers"]
         victim = next(w for w in workers if w["role"] == "prefill")
         os.kill(victim["pid"], signal.SIGKILL)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -58,7 +51,7 @@ def test_requests_survive_a_dead_prefill_worker(
             )
             assert out.choices[0].model_extra["token_ids"] == ref
             assert time.monotonic() - start < KV_WAIT_S / 2, "decode waited out its lease"
-        for w in get_json(f"{url}/workers")["workers"]:
+        for w in api.get_json(f"{url}/workers")["workers"]:
             if w["worker_id"] == victim["worker_id"]:
                 continue  # still listed until its lease ends; another replica answers
             assert (w["running"], w["kv_blocks_used"]) == (0, 0), w

@@ -9,9 +9,7 @@ conformance suite, tests/kv_transfer, shows them refused and freed on both sides
 
 from __future__ import annotations
 
-import json
 import random
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +19,8 @@ MAX_TOKENS = 6
 NUM_REQUESTS = 6
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return json.loads(resp.read())
-
-
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
-
-
 def test_late_kv_falls_back_to_local_prefill_and_is_freed(
-    make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
 ) -> None:
     model_dir = Path(make_checkpoint())
     rng = random.Random(51)
@@ -49,7 +34,7 @@ def test_late_kv_falls_back_to_local_prefill_and_is_freed(
     with pdserve_up(model_dir, *flags) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
-        fallbacks = metric(url, "pdserve_decode_local_prefill_fallbacks_total")
+        fallbacks = api.metric(url, "pdserve_decode_local_prefill_fallbacks_total")
         for prompt, ref in zip(prompts, want, strict=True):
             out = client.completions.create(
                 model=model,
@@ -59,9 +44,9 @@ def test_late_kv_falls_back_to_local_prefill_and_is_freed(
                 extra_body={"ignore_eos": True, "return_token_ids": True},
             )
             assert out.choices[0].model_extra["token_ids"] == ref
-        fallbacks = metric(url, "pdserve_decode_local_prefill_fallbacks_total") - fallbacks
+        fallbacks = api.metric(url, "pdserve_decode_local_prefill_fallbacks_total") - fallbacks
         assert fallbacks == NUM_REQUESTS, "every decode worker must have prefilled itself"
-        assert metric(url, "pdserve_kv_transfer_failures_total") >= NUM_REQUESTS
-        for w in get_json(f"{url}/workers")["workers"]:
+        assert api.metric(url, "pdserve_kv_transfer_failures_total") >= NUM_REQUESTS
+        for w in api.get_json(f"{url}/workers")["workers"]:
             assert (w["running"], w["waiting"], w["kv_blocks_used"]) == (0, 0, 0), w
             assert w.get("pending_transfers", 0) == 0, w
