@@ -78,5 +78,8 @@ def test_serving_survives_a_redis_outage_and_the_index_is_rebuilt(
             block_bytes = 2 * 2 * 2 * BLOCK_SIZE * 16 * 4
             missing = -(-len(after) // BLOCK_SIZE) - 10
             assert sent == missing * block_bytes, "the rebuilt index knows D's cached prefix"
+            for w in api.get_json(f"{url}/workers")["workers"]:
+                assert (w["running"], w["waiting"], w["kv_blocks_used"]) == (0, 0, 0), w
+                assert w.get("pending_transfers", 0) == 0, w
     finally:
         redis.stop()
