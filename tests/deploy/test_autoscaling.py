@@ -31,7 +31,7 @@ POOL = {
     "look_back_period_s": 1.5,
     "metrics_interval_s": 0.25,
 }
-PREFILL = {**POOL, "target": 256}  # queued prompt tokens per replica
+PREFILL = {**POOL, "target": 128}  # queued prompt tokens per replica
 DECODE = {**POOL, "target": 4}  # running sequences per replica
 
 
@@ -94,7 +94,13 @@ class Load:
 def test_each_pool_scales_on_its_own_signal(
     make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
 ) -> None:
-    model_dir = Path(make_checkpoint(max_position_embeddings=1024))
+    # Big enough that a 600-token prefill takes tens of ms: with the smallest checkpoint
+    # prefill kept up with 8 users and the queue (the prefill signal) often stayed empty.
+    model_dir = Path(
+        make_checkpoint(
+            hidden_size=256, intermediate_size=512, num_layers=4, max_position_embeddings=1024
+        )
+    )
     rng = random.Random(5)
     long_prompts = [[rng.randrange(5, 512) for _ in range(600)] for _ in range(8)]
     short_prompts = [[rng.randrange(5, 512) for _ in range(6)] for _ in range(8)]
