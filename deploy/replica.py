@@ -20,6 +20,7 @@ from pdserve.deploy.config import ClusterConfig, parse_cpu_set
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer.base import tune_malloc
 from pdserve.router.index_member import IndexMember
 from pdserve.router.prefix_index import PrefixIndex
 
@@ -68,6 +69,7 @@ class WorkerReplica:
             pin_process(parse_cpu_set(cpus))
         torch.set_num_threads(self.config.num_threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(self.config.num_threads))
+        tune_malloc()  # KV transfers allocate a buffer per message (kv_transfer/base.py)
         self.worker_id = worker_id or replica_id()
         self.engine = AsyncEngine(LLMEngine(self.config.model, self.config.engine_config()))
         self.redis = aioredis.Redis.from_url(

@@ -26,6 +26,8 @@ Who frees what, when (DESIGN.md, "The KV handoff"):
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import hmac
 import time
 from abc import ABC, abstractmethod
@@ -156,6 +158,39 @@ class TransferHeader:
         return header
 
 
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def tune_malloc() -> bool:
+    """Keep freed heap memory for reuse instead of handing it back to the kernel.
+
+    gRPC allocates (and frees) a fresh buffer for every message it sends or receives,
+    1 MiB each here. glibc's defaults return such memory to the kernel at once (munmap,
+    or trimming the heap top past 2x the last size), so every message pays for page
+    faults on memory it just freed: measured, gRPC moved 256 MiB at ~1.2 GB/s that way
+    and at ~2.1 GB/s with this. Kept memory is bounded: at most 256 MiB of free heap
+    top, and blocks of 32 MiB or more are still mapped and unmapped on their own.
+    Process-wide, so the worker processes call it once at start. Returns False (and
+    changes nothing) where the C library is not glibc.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (_M_MMAP_THRESHOLD, 32 << 20),
+            (_M_TRIM_THRESHOLD, 256 << 20),
+            (_M_TOP_PAD, 64 << 20),
+        )
+    )
+
+
 def as_bytes(payload: Payload) -> np.ndarray:
     """A flat uint8 view of a payload (no copy)."""
     if isinstance(payload, np.ndarray):
@@ -163,22 +198,60 @@ def as_bytes(payload: Payload) -> np.ndarray:
     return np.frombuffer(payload, dtype=np.uint8)
 
 
+class BlockHasher:
+    """Block checksums computed row by row while a payload arrives.
+
+    A payload is 2 * num_layers rows (one per layer and kv), each row holding one slab
+    of every block; block i's checksum hashes its slabs in row order. So rows can be
+    hashed as soon as they are in, in order, and the result equals `block_checksums`.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.num_rows = 2 * layout.num_layers
+        self.rows_done = 0
+        self._digests = [xxhash.xxh3_64() for _ in range(num_blocks)]
+
+    def update(self, payload: Payload, rows_end: int) -> None:
+        """Hash rows [rows_done, rows_end) of `payload` (the whole payload's buffer)."""
+        data = as_bytes(payload)
+        if data.size != self.num_blocks * self.layout.block_bytes:
+            raise TruncatedError(
+                f"payload has {data.size} bytes, {self.num_blocks} blocks need "
+                f"{self.num_blocks * self.layout.block_bytes}"
+            )
+        rows = data.reshape(self.num_rows, self.num_blocks, self.layout.slab_bytes)
+        for j in range(self.rows_done, rows_end):
+            for digest, slab in zip(self._digests, rows[j], strict=True):
+                digest.update(slab)
+        self.rows_done = max(self.rows_done, rows_end)
+
+    def checksums(self) -> tuple[int, ...]:
+        if self.rows_done != self.num_rows:
+            raise TruncatedError(f"only {self.rows_done} of {self.num_rows} rows hashed")
+        return tuple(d.intdigest() for d in self._digests)
+
+
 def block_checksums(payload: Payload, layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
     """xxh3-64 of each block: its 2 * num_layers slabs in (layer, kv) order."""
-    data = as_bytes(payload)
-    if data.size != num_blocks * layout.block_bytes:
-        raise TruncatedError(
-            f"payload has {data.size} bytes, {num_blocks} blocks need "
-            f"{num_blocks * layout.block_bytes}"
-        )
-    slabs = data.reshape(2 * layout.num_layers, num_blocks, layout.slab_bytes)
-    sums = []
-    for i in range(num_blocks):
-        digest = xxhash.xxh3_64()
-        for j in range(slabs.shape[0]):
-            digest.update(slabs[j, i])
-        sums.append(digest.intdigest())
-    return tuple(sums)
+    hasher = BlockHasher(layout, num_blocks)
+    hasher.update(payload, hasher.num_rows)
+    return hasher.checksums()
+
+
+def row_chunks(
+    layout: KVLayout, num_blocks: int, max_chunks: int = 16, min_chunk_bytes: int = 2 << 20
+) -> list[tuple[int, int]]:
+    """Split a payload into at most `max_chunks` runs of whole rows, (start, end) each.
+
+    Backends that pipeline (receive one chunk while hashing the one before) cut the
+    payload this way on both sides, from the header alone.
+    """
+    num_rows = 2 * layout.num_layers
+    row_bytes = num_blocks * layout.slab_bytes
+    per_chunk = max(1, -(-num_rows // max_chunks), -(-min_chunk_bytes // max(1, row_bytes)))
+    return [(j, min(j + per_chunk, num_rows)) for j in range(0, num_rows, per_chunk)]
 
 
 def make_header(
@@ -400,8 +473,13 @@ class ReceiverCore:
         )
         return slot.buffer
 
-    def finish(self, request_id: str, num_bytes: int) -> TransferStats:
+    def finish(
+        self, request_id: str, num_bytes: int, checksums: tuple[int, ...] | None = None
+    ) -> TransferStats:
         """All bytes are in: verify them and hand them to the claimer.
+
+        `checksums` are the payload's block checksums if the backend computed them as
+        the bytes arrived (`BlockHasher`); else they are computed here.
 
         Raises TruncatedError or ChecksumMismatchError (the data is freed, and the
         claimer gets the same error).
@@ -413,7 +491,9 @@ class ReceiverCore:
         try:
             if num_bytes != header.payload_bytes:
                 raise TruncatedError(f"got {num_bytes} of {header.payload_bytes} bytes")
-            sums = block_checksums(buffer, header.layout, header.num_blocks)
+            sums = checksums
+            if sums is None:
+                sums = block_checksums(buffer, header.layout, header.num_blocks)
             bad = [
                 i
                 for i, (a, b) in enumerate(zip(sums, header.block_checksums, strict=True))
@@ -433,14 +513,15 @@ class ReceiverCore:
             self._on_transfer(stats)
         return stats
 
-    def fail(self, request_id: str, error: TransferError) -> None:
+    def fail(self, request_id: str, error: TransferError, writer_done: bool = True) -> None:
         """The backend ended a broken transfer: free its bytes and tell the claimer.
 
-        The backend must not write into the buffer after this call.
+        The backend must not write into the buffer after this call; if it cannot promise
+        that (`writer_done=False`), the buffer is dropped rather than reused.
         """
         slot = self._slots.get(request_id)
         if slot is not None:
-            slot.writer_done = True
+            slot.writer_done = writer_done
             self._free(slot)
             _set_error(slot.future, error)
 
