@@ -93,6 +93,8 @@ async def _refused(
     transport: Any,
     *,
     corrupt: bool = False,
+    corrupt_at: float = 0.5,
+    num_blocks: int = 3,
     token: str | None = None,
     layout_dtype: str | None = None,
     expect: bool = True,
@@ -100,7 +102,7 @@ async def _refused(
     """Push one refused transfer; return (sender's error, claim's error, buffered bytes)."""
     layout = transport.layout("bfloat16")
     send_layout = transport.layout(layout_dtype) if layout_dtype else layout
-    payload = random_payload(send_layout, 3)
+    payload = random_payload(send_layout, num_blocks)
     receiver = transport.make_receiver(transport.config(layout))
     sender = transport.make_sender()
     address = await receiver.start()
@@ -110,7 +112,7 @@ async def _refused(
         header = make_header("req", "m", send_layout, payload, token or transport.token)
         if corrupt:
             payload = payload.copy()
-            payload[payload.size // 2] ^= 0xFF  # one byte flipped after checksumming
+            payload[min(payload.size - 1, int(payload.size * corrupt_at))] ^= 0xFF  # after sums
         with pytest.raises(TransferError) as sent:
             await sender.send(address, header, payload, timeout_s=30)
         buffered = receiver.core.num_buffered_bytes
@@ -131,6 +133,19 @@ def test_corrupted_byte_is_refused_on_both_sides(transport: Any) -> None:
     sent, claimed, buffered = transport.run(_refused(transport, corrupt=True))
     assert isinstance(sent, ChecksumMismatchError)
     assert isinstance(claimed, ChecksumMismatchError)  # decode learns at once: falls back
+    assert buffered == 0
+
+
+@pytest.mark.parametrize("corrupt_at", [0.0, 0.3, 1.0], ids=["first", "inner", "last"])
+def test_corruption_in_any_chunk_of_a_large_payload_is_refused(
+    transport: Any, corrupt_at: float
+) -> None:
+    # 512 blocks of 32 KiB: rows of 2 MiB, so backends that pipeline the payload in
+    # chunks (UCX: 8 here) verify it as chunks arrive; every chunk's bytes must count
+    run = _refused(transport, corrupt=True, corrupt_at=corrupt_at, num_blocks=512)
+    sent, claimed, buffered = transport.run(run)
+    assert isinstance(sent, ChecksumMismatchError)
+    assert isinstance(claimed, ChecksumMismatchError)
     assert buffered == 0
 
 
