@@ -20,6 +20,7 @@ import numpy as np
 
 from pdserve.kv_transfer import grpc_codec
 from pdserve.kv_transfer.base import (
+    BlockHasher,
     KVReceiver,
     KVSender,
     Payload,
@@ -136,10 +137,10 @@ class GrpcReceiver(KVReceiver):
             buffer = self.core.begin(header)
         except TransferError as exc:  # refused: nothing is held
             return ack_for(exc)
-        progress = _Progress(buffer)
+        progress = _Progress(buffer, BlockHasher(header.layout, header.num_blocks))
         try:
             await progress.fill(messages, min(header.lease_ms / 1000, self.core.config.max_lease_s))
-            self.core.finish(header.request_id, progress.received)
+            self.core.finish(header.request_id, progress.received, progress.checksums())
         except TransferError as exc:
             self.core.fail(header.request_id, exc)  # no-op when finish already failed it
             return ack_for(exc, progress.received)
@@ -152,10 +153,22 @@ class GrpcReceiver(KVReceiver):
 
 @dataclass
 class _Progress:
-    """Where the chunks of one push are going, and how far they got."""
+    """Where the chunks of one push are going, and how far they got.
+
+    Rows of the payload are hashed as soon as they are complete, between chunks, so
+    verification is done when the last chunk is in.
+    """
 
     buffer: np.ndarray
+    hasher: BlockHasher
     received: int = 0
+
+    def checksums(self) -> tuple[int, ...] | None:
+        """The block checksums, or None if the payload is incomplete (finish says so)."""
+        if self.received != self.buffer.size:
+            return None
+        self.hasher.update(self.buffer, self.hasher.num_rows)  # no-op unless 0 bytes
+        return self.hasher.checksums()
 
     async def fill(self, messages: AsyncIterator[grpc_codec.Message], lease_s: float) -> None:
         """Copy chunks, which must arrive in order, into the buffer within the lease."""
@@ -177,6 +190,9 @@ class _Progress:
             )
         self.buffer[start:end] = np.frombuffer(msg.data, dtype=np.uint8)
         self.received = end
+        rows_in = end // max(1, self.buffer.size // self.hasher.num_rows)
+        if rows_in > self.hasher.rows_done:
+            self.hasher.update(self.buffer, rows_in)
 
 
 class GrpcSender(KVSender):
