@@ -58,6 +58,7 @@ class CompareConfig:
     prefill_replicas: int = 3
     scenarios: tuple[str, ...] = ("mixed", "shared-prefix")
     prefix_len: int = 1984  # of the demo model's 2048-token context
+    transport: str = "grpc"  # the KV transport of the disaggregated clusters
     slo: SLO = field(default_factory=lambda: SLO(ttft_s=0.5, tpot_s=0.02))
     out: Path | None = None
 
@@ -164,6 +165,7 @@ def _ms(v: float | None) -> str:
 def run_compare(cfg: CompareConfig) -> dict[str, Any]:
     p_cpus, d_cpus, all_cpus = cpu_halves()
     common = ["--block-size", str(cfg.block_size), "--replica-cpus", "0", "--threads", "1"]
+    common += ["--transport", cfg.transport]
     report: dict[str, Any] = {"cpus": {"prefill": p_cpus, "decode": d_cpus}}
 
     if "mixed" in cfg.scenarios:
@@ -310,6 +312,7 @@ def compare_from_args(args: Any) -> int:
         shared_rate=args.shared_rate,
         prefill_replicas=args.prefill_replicas,
         scenarios=tuple(args.compare_only or ("mixed", "shared-prefix")),
+        transport=args.transport,
         slo=slo,
         out=Path(args.out),
     )

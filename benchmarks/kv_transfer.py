@@ -12,8 +12,8 @@ receiver in a process of its own (as a decode worker is):
   (the receiver then claims and releases the KV, untimed);
 and prints GB/s and the ratio to raw TCP (best of `--repeats` after one warm-up; raw
 TCP: best of at least 10, before and again after the backends).
-Every process calls `tune_malloc()`, as the worker processes do. The UCX shared-memory path is also set
-against this machine's memcpy bandwidth (numpy copy, bytes / time).
+Every process calls `tune_malloc()`, as the worker processes do. The UCX shared-memory
+path is also set against this machine's memcpy bandwidth (numpy copy, bytes / time).
 It then reports the transfer time of one request's full KV for a 2,048-token prompt of a
 Llama-3-8B-shaped cache (32 layers, 8 kv heads, head dim 128, bf16: 256 MiB), and the
 same with the first 1,536 tokens already on the receiver (only the 32 missing blocks).

@@ -171,6 +171,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     cmp.add_argument(
         "--compare-only", action="append", choices=["mixed", "shared-prefix"], default=None
     )
+    cmp.add_argument("--transport", choices=["grpc", "ucx"], default="grpc", help="KV transport")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 

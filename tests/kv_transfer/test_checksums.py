@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import xxhash
@@ -55,7 +57,7 @@ def test_row_chunks_cover_every_row_once_in_order(num_blocks: int, max_chunks: i
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
     chunks = row_chunks(layout, num_blocks, max_chunks=max_chunks)
     assert chunks[0][0] == 0 and chunks[-1][1] == 64
-    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
     assert len(chunks) <= max_chunks
     row_bytes = num_blocks * layout.slab_bytes
     # chunks are at least 2 MiB where the payload allows it (fewer, larger messages)
