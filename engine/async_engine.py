@@ -9,12 +9,14 @@ that asked for it. Callers await results; nothing here blocks a loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 
@@ -34,6 +36,12 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._closed = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        # KV events, moved here by the engine thread after every command batch and step,
+        # before that step's outputs go out: once a caller has seen an output, the
+        # events it caused can be drained without waiting for the engine thread
+        self._events: collections.deque[KVEvent] = collections.deque()
+        self._on_finish: dict[str, Callable[[LLMEngine], Any]] = {}  # engine thread reads
+        self._finish_results: dict[str, Any] = {}
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -61,20 +69,28 @@ class AsyncEngine:
         request_id: str,
         start: Callable[[LLMEngine], RequestOutput | None],
         on_started: Callable[[], None] | None = None,
+        on_finish: Callable[[LLMEngine], Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Register a stream, run `start(engine)` (which adds the request), yield outputs.
 
         `start` may return a first output itself (a prefilled request's first token);
         `on_started` then runs on the caller's loop (e.g. to release a KV buffer).
+        `on_finish(engine)` runs on the engine thread right after the step that finished
+        the request, before any other step (a prefill exports its KV there rather than
+        waiting for a step boundary); `take_finish_result` returns what it returned.
         Leaving the iteration early aborts the request and frees its blocks.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
+        if on_finish is not None:
+            self._on_finish[request_id] = on_finish
         finished = False
 
         def start_and_queue_first(engine: LLMEngine) -> None:
             first = start(engine)
+            if first is not None and first.finished:
+                self._run_on_finish(first.request_id)
             if first is not None:
                 # Queued from the engine thread, so it precedes the next step's output
                 # (both travel through call_soon_threadsafe, which keeps their order).
@@ -92,13 +108,43 @@ class AsyncEngine:
                 yield item
         finally:
             self._streams.pop(request_id, None)
+            self._on_finish.pop(request_id, None)
             if not finished:
+                self._finish_results.pop(request_id, None)
                 self._post(lambda: self.engine.abort([request_id]))
+
+    def take_finish_result(self, request_id: str) -> Any:
+        """What the stream's `on_finish` returned (or raised: raised here), once."""
+        result = self._finish_results.pop(request_id)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def submit(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Run `fn(engine)` on the engine thread between two steps, without waiting."""
+        self._post(lambda: fn(self.engine))
 
     @property
     def closed(self) -> bool:
         """The engine thread has stopped (closed, or a step raised)."""
         return self._closed
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """The block pool's events so far, in order (any thread; never waits a step)."""
+        events: list[KVEvent] = []
+        with contextlib.suppress(IndexError):
+            while True:
+                events.append(self._events.popleft())
+        return events
+
+    async def kv_snapshot(self) -> list[KVEvent]:
+        """Every cached block as STORED events; pending events are dropped (between steps)."""
+
+        def snapshot(engine: LLMEngine) -> list[KVEvent]:
+            self._events.clear()
+            return engine.kv_snapshot()
+
+        return await self.call(snapshot)
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
@@ -122,8 +168,11 @@ class AsyncEngine:
         try:
             while not self._closed:
                 self._apply_commands()
+                self._events.extend(self.engine.drain_kv_events())
                 if self.engine.has_unfinished:
-                    self._dispatch(self.engine.step())
+                    outputs = self.engine.step()
+                    self._events.extend(self.engine.drain_kv_events())
+                    self._dispatch(outputs)
                 else:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
@@ -140,8 +189,18 @@ class AsyncEngine:
         for command in commands:
             command()
 
+    def _run_on_finish(self, request_id: str) -> None:
+        hook = self._on_finish.pop(request_id, None)
+        if hook is not None:
+            try:
+                self._finish_results[request_id] = hook(self.engine)
+            except Exception as exc:  # handed to the caller by take_finish_result
+                self._finish_results[request_id] = exc
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.finished:
+                self._run_on_finish(out.request_id)
             target = self._streams.get(out.request_id)
             if target is not None:
                 loop, queue = target

@@ -101,6 +101,8 @@ class IndexMember:
                 logger.warning("prefix index unreachable (%s); will retry", exc)
 
     async def _sync(self, heartbeat: bool = True) -> None:
+        # the load is read before taking the lock: a flush must not queue behind it
+        load = await self._load() if heartbeat else None
         async with self._lock:
             if self.generation is None:
                 await self._register()
@@ -110,10 +112,8 @@ class IndexMember:
             try:
                 if events:
                     alive = await self.index.publish(self.worker_id, self.generation, events)
-                if alive and heartbeat:
-                    alive = await self.index.heartbeat(
-                        self.worker_id, self.generation, await self._load()
-                    )
+                if alive and load is not None:
+                    alive = await self.index.heartbeat(self.worker_id, self.generation, load)
             except (RedisError, OSError):
                 # The drained events may be lost: register again with a snapshot.
                 self.generation = None

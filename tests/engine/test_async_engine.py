@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
@@ -18,6 +19,10 @@ class InstantEngine:
 
     def __init__(self) -> None:
         self.pending: dict[str, list[int]] = {}
+        self.events: list[Any] = []  # stands in for the block pool's KV events
+        self.num_steps = 0
+        self.finished_at: dict[str, int] = {}
+        self.step_s = 0.0  # modelled compute time of a step
 
     @property
     def has_unfinished(self) -> bool:
@@ -28,13 +33,21 @@ class InstantEngine:
         return output(request_id, tokens[0], finished=False)
 
     def step(self) -> list[RequestOutput]:
+        time.sleep(self.step_s)
+        self.num_steps += 1
         outs = []
         for request_id, tokens in list(self.pending.items()):
             token = tokens.pop(0)
             if not tokens:
                 del self.pending[request_id]
+                self.finished_at[request_id] = self.num_steps
             outs.append(output(request_id, token, finished=not tokens))
+            self.events.append((request_id, token))
         return outs
+
+    def drain_kv_events(self) -> list[Any]:
+        events, self.events = self.events, []
+        return events
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -56,3 +69,64 @@ def test_a_started_requests_first_output_comes_before_the_next_steps() -> None:
             await aengine.close()
 
     assert asyncio.run(run()) == [[10, 11, 12, 13]] * 50
+
+
+def test_a_finished_outputs_events_are_drainable_without_waiting_for_a_step() -> None:
+    # A worker publishes a request's KV events when its last output arrives; they must
+    # already be there, without a round trip through the (maybe busy) engine thread.
+    async def run() -> list[bool]:
+        engine: Any = InstantEngine()
+        aengine = AsyncEngine(engine)
+        seen = []
+        try:
+            for i in range(50):
+                rid, tokens = f"r{i}", [10, 11, 12, 13]
+                async for out in aengine.stream(rid, lambda e, r=rid, t=tokens: e.add(r, t)):
+                    if out.finished:
+                        seen.append((rid, 13) in aengine.drain_kv_events())
+            return seen
+        finally:
+            await aengine.close()
+
+    assert asyncio.run(run()) == [True] * 50
+
+
+def test_on_finish_runs_right_after_the_finishing_step_and_returns_its_result() -> None:
+    # A prefill exports its KV in `on_finish`: between the step that finished it and
+    # the next one, so the export never waits behind another request's step. Another
+    # request keeps the engine stepping meanwhile, so a late hook would see more steps.
+    async def run() -> tuple[list[bool], str]:
+        engine: Any = InstantEngine()
+        engine.step_s = 0.001
+        aengine = AsyncEngine(engine)
+        await aengine.call(lambda e: e.add("busy", list(range(100_000))))  # no stream
+        got = []
+        try:
+            for i in range(20):
+                rid = f"r{i}"
+                stream = aengine.stream(
+                    rid,
+                    lambda e, r=rid: e.add(r, [10, 11, 12, 13]),
+                    on_finish=lambda e: e.num_steps,
+                )
+                async for _ in stream:
+                    pass
+                got.append(aengine.take_finish_result(rid) == engine.finished_at[rid])
+
+            def fail(e: Any) -> None:
+                raise ValueError("export failed")
+
+            async for _ in aengine.stream("bad", lambda e: e.add("bad", [1, 2]), on_finish=fail):
+                pass
+            try:
+                aengine.take_finish_result("bad")
+            except ValueError as exc:
+                return got, str(exc)
+            return got, "no error"
+        finally:
+            await aengine.call(lambda e: e.abort(["busy"]))
+            await aengine.close()
+
+    got, error = asyncio.run(run())
+    assert got == [True] * 20
+    assert error == "export failed"
