@@ -8,11 +8,13 @@ its prefill until the push ends, then go back to the prefix cache, whatever the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
+from pdserve.engine.kv_handoff import KVExport
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import KVSender, TransferStats, make_header
@@ -72,15 +74,22 @@ class PrefillWorker:
         arrived = time.monotonic()
         queue_s = compute_s = 0.0
         num_cached = 0
+
+        def export_now(engine: LLMEngine) -> KVExport:
+            return engine.export_kv(request_id, first_block)
+
         try:
-            async for out in self.engine.stream(request_id, start):
+            # the KV is exported on the engine thread as soon as the prefill ends, not
+            # after the next step (a whole prefill chunk when others are queued)
+            stream = self.engine.stream(request_id, start, on_finish=export_now)
+            async for out in stream:
                 first_token = out.token_ids[0]
                 num_cached = out.num_cached_tokens
                 scheduled = out.first_scheduled_s or arrived
                 queue_s = max(scheduled - arrived, 0.0)
                 compute_s = max(time.monotonic() - scheduled, 0.0)
             packed = time.monotonic()
-            export = await self.engine.call(lambda e: e.export_kv(request_id, first_block))
+            export = self.engine.take_finish_result(request_id)
             payload = payload_bytes(export.payload)
             header = await asyncio.to_thread(  # checksums: CPU work, off the loop
                 make_header,
@@ -99,7 +108,9 @@ class PrefillWorker:
                 decode_address, header, payload, timeout_s=self.transfer_timeout_s
             )
         finally:
-            await self.engine.call(lambda e: e.release_kv(request_id))
+            # not awaited: the result does not depend on it, and it would wait a step
+            with contextlib.suppress(EngineClosedError):  # a closed engine holds nothing
+                self.engine.submit(lambda e: e.release_kv(request_id))
         return PrefillResult(
             request_id,
             first_token,
