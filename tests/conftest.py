@@ -293,6 +293,27 @@ class Api:
         """One sample of the router's /metrics (0 if absent), matched by name and labels."""
         return sample(scrape_metrics(url), name, **labels)
 
+    @staticmethod
+    def greedy(client: Any, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+        """A greedy completion's token ids (eos ignored), through the official client."""
+        out = client.completions.create(**_greedy_args(model, prompt, max_tokens))
+        return list(out.choices[0].model_extra["token_ids"])
+
+    @staticmethod
+    def greedy_stream(client: Any, model: str, prompt: list[int], max_tokens: int) -> Any:
+        """The same request, streamed: chunks carry `model_extra["token_ids"]`."""
+        return client.completions.create(**_greedy_args(model, prompt, max_tokens), stream=True)
+
+
+def _greedy_args(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
+
 
 @pytest.fixture(scope="session")
 def api() -> type[Api]:

@@ -33,14 +33,7 @@ def test_a_stream_survives_its_decode_worker_dying(
     )
     with pdserve_up(model_dir, *flags) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        stream = client.completions.create(
-            model=client.models.list().data[0].id,
-            prompt=prompt,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
+        stream = api.greedy_stream(client, client.models.list().data[0].id, prompt, MAX_TOKENS)
         got: list[int] = []
         killed = None
         for chunk in stream:

@@ -19,7 +19,9 @@ START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 90.0
 
 
-def test_sigterm_lets_the_stream_in_flight_finish(make_checkpoint: Any, hf_greedy: Any) -> None:
+def test_sigterm_lets_the_stream_in_flight_finish(
+    api: Any, make_checkpoint: Any, hf_greedy: Any
+) -> None:
     model_dir = Path(make_checkpoint(max_position_embeddings=1024))
     rng = random.Random(31)
     prompt = [rng.randrange(5, 512) for _ in range(24)]
@@ -32,14 +34,7 @@ def test_sigterm_lets_the_stream_in_flight_finish(make_checkpoint: Any, hf_greed
         url = wait_for_line(proc.stdout, "pdserve ready at ", START_TIMEOUT_S).split()[-1]
         drain(proc.stdout)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        stream = client.completions.create(
-            model=client.models.list().data[0].id,
-            prompt=prompt,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
+        stream = api.greedy_stream(client, client.models.list().data[0].id, prompt, MAX_TOKENS)
         got: list[int] = []
         for chunk in stream:
             got += chunk.choices[0].model_extra["token_ids"]

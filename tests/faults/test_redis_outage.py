@@ -45,14 +45,7 @@ def test_serving_survives_a_redis_outage_and_the_index_is_rebuilt(
             model = client.models.list().data[0].id
 
             def greedy(prompt: list[int]) -> list[int]:
-                out = client.completions.create(
-                    model=model,
-                    prompt=prompt,
-                    max_tokens=MAX_TOKENS,
-                    temperature=0,
-                    extra_body={"ignore_eos": True, "return_token_ids": True},
-                )
-                return list(out.choices[0].model_extra["token_ids"])
+                return list(api.greedy(client, model, prompt, MAX_TOKENS))
 
             assert greedy(first) == want[0]
             redis.stop()

@@ -36,14 +36,7 @@ def test_late_kv_falls_back_to_local_prefill_and_is_freed(
         model = client.models.list().data[0].id
         fallbacks = api.metric(url, "pdserve_decode_local_prefill_fallbacks_total")
         for prompt, ref in zip(prompts, want, strict=True):
-            out = client.completions.create(
-                model=model,
-                prompt=prompt,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )
-            assert out.choices[0].model_extra["token_ids"] == ref
+            assert api.greedy(client, model, prompt, MAX_TOKENS) == ref
         fallbacks = api.metric(url, "pdserve_decode_local_prefill_fallbacks_total") - fallbacks
         assert fallbacks == NUM_REQUESTS, "every decode worker must have prefilled itself"
         assert api.metric(url, "pdserve_kv_transfer_failures_total") >= NUM_REQUESTS
