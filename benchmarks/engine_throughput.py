@@ -347,6 +347,7 @@ def measure_ours(
         model_dir, dtype=dtype, num_threads=threads, num_kv_blocks=num_kv_blocks_for(workloads)
     )
     vocab = llm.engine.model_config.vocab_size
+    print(f"pdserve attention backend: {llm.engine.runner.backend.name}", flush=True)
     llm.generate([random_prompts(random.Random(7), [8], vocab)[0]], SamplingParams(max_tokens=4))
     results = {w.name: run_ours(llm, w) for w in workloads}
     probe = random_prompts(random.Random(8), [len(workloads[0].prompts[0])], vocab)[0]

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-AttentionBackendName = Literal["auto", "torch", "triton"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "triton"]
 
 
 class EngineConfig(BaseModel):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.attention import AttentionBackend, TorchAttentionBackend
+from pdserve.engine import cpu_kernels
+from pdserve.engine.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
 from pdserve.engine.block_pool import BlockPool, KVEvent, KVEventKind
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.demo_model import resolve_model
@@ -44,7 +45,8 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks the Triton backend on CUDA when it is installed, torch otherwise."""
+    """`auto`: Triton on CUDA when installed; on CPU the compiled decode kernel when it
+    builds here (`engine/cpu_kernels.py`), else the torch path."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
             from pdserve.kernels.backend import TritonAttentionBackend
@@ -53,6 +55,15 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
                 raise
             return TorchAttentionBackend()
         return TritonAttentionBackend()
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        kernels = cpu_kernels.load()
+        if kernels is not None:
+            return CpuAttentionBackend(kernels)
+        if name == "cpu":
+            raise RuntimeError(
+                "attention_backend='cpu' needs the compiled CPU kernels, which could not be"
+                " built here (a C compiler is required; see the log for the error)"
+            )
     return TorchAttentionBackend()
 
 
