@@ -51,6 +51,15 @@ HFGreedy = Callable[[Path, list[list[int]], int], list[list[int]]]
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _cpu_kernels_built() -> None:
+    """Build the CPU decode kernel once, up front: every engine process (Ray replicas
+    included) then loads it from the cache instead of each compiling it at start."""
+    from pdserve.engine import cpu_kernels
+
+    cpu_kernels.load()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread() -> Iterator[None]:
     """DESIGN.md, "Threads": explicit thread counts; 2 OpenMP threads stall a busy 2-core box."""
     import torch
