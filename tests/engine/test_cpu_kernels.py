@@ -150,7 +150,8 @@ def test_paged_decode_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         kern.paged_decode(q[:, :3], k_cache, v_cache, tables, lens, 0.1)
     with pytest.raises(ValueError, match="contiguous"):
-        kern.paged_decode(q.transpose(0, 1), k_cache, v_cache, tables, lens, 0.1)
+        strided = torch.cat([q, q], dim=-1)[:, :, ::2]  # q's shape, every other element
+        kern.paged_decode(strided, k_cache, v_cache, tables, lens, 0.1)
     odd_blocks = k_cache[:, :, :12].contiguous()  # block size 12: not a power of two
     with pytest.raises(ValueError, match="does not take"):
         kern.paged_decode(q, odd_blocks, odd_blocks, tables, lens, 0.1)
