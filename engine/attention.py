@@ -301,8 +301,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decode rows on the compiled CPU kernel (`cpu_kernels`).
 
     Prefill stays on SDPA (compute-bound there, and SDPA does it well); decode rows read
-    K/V straight from their blocks, with no gathered copy. dtypes the kernel lacks fall
-    back to the torch path.
+    K/V straight from their blocks, with no gathered copy. Chosen only for a dtype the
+    kernel takes (`make_attention_backend`).
     """
 
     name = "cpu"
@@ -318,14 +318,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan: dict[str, Any],
         scale: float,
     ) -> torch.Tensor:
-        if q.dtype not in self.kernels.dtypes:
-            if not plan["decode"]:  # groups were skipped for the kernel: make them now
-                k_cache = kv_cache[0]
-                token_bytes = 2 * k_cache.shape[1] * k_cache.shape[3] * k_cache.element_size()
-                plan["decode"] = _decode_groups(
-                    decode, k_cache.shape[1], k_cache.shape[2], token_bytes
-                )
-            return super()._decode_rows(q, kv_cache, decode, plan, scale)
         k_cache, v_cache = kv_cache
         return self.kernels.paged_decode(
             q.contiguous(),

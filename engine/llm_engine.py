@@ -44,9 +44,11 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
     return _DTYPES[name]
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     """`auto`: Triton on CUDA when installed; on CPU the compiled decode kernel when it
-    builds here (`engine/cpu_kernels.py`), else the torch path."""
+    builds here and takes `dtype` (`engine/cpu_kernels.py`), else the torch path."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
             from pdserve.kernels.backend import TritonAttentionBackend
@@ -57,13 +59,15 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         return TritonAttentionBackend()
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         kernels = cpu_kernels.load()
-        if kernels is not None:
+        if kernels is not None and dtype in kernels.dtypes:
             return CpuAttentionBackend(kernels)
-        if name == "cpu":
+        if name == "cpu" and kernels is None:
             raise RuntimeError(
                 "attention_backend='cpu' needs the compiled CPU kernels, which could not be"
                 " built here (a C compiler is required; see the log for the error)"
             )
+        if name == "cpu":
+            raise ValueError(f"the CPU decode kernel does not take {dtype}")
     return TorchAttentionBackend()
 
 
@@ -99,7 +103,7 @@ class LLMEngine:
             self.model,
             allocate_kv_cache(self.model, self.num_kv_blocks, config.block_size, self.device),
             config.block_size,
-            make_attention_backend(config.attention_backend, self.device),
+            make_attention_backend(config.attention_backend, self.device, self.model.dtype),
             Sampler(config.seed, self.device),
             self.device,
         )

@@ -199,3 +199,12 @@ def test_cpu_backend_tokens_equal_torch_backend(make_checkpoint: Any, dtype: str
     else:  # bf16 rounds differently in the two kernels: most rows still agree
         same = sum(a == b for a, b in zip(results["cpu"], results["torch"], strict=True))
         assert same >= len(prompts) // 2
+
+
+@needs_kernels
+def test_backend_choice_follows_the_kernel_dtypes() -> None:
+    cpu = torch.device("cpu")
+    assert make_attention_backend("auto", cpu, torch.bfloat16).name == "cpu"
+    assert make_attention_backend("auto", cpu, torch.float64).name == "torch"  # not built
+    with pytest.raises(ValueError, match="does not take"):
+        make_attention_backend("cpu", cpu, torch.float64)
