@@ -29,6 +29,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import hmac
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -305,26 +306,33 @@ class BufferPool:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()  # a backend may take, a consumer give, off-loop
 
     @property
     def num_free_bytes(self) -> int:
-        return sum(b.size for b in self._free)
+        with self._lock:
+            return sum(b.size for b in self._free)
 
     def take(self, num_bytes: int) -> np.ndarray:
         """A uint8 buffer of exactly `num_bytes` (a view of a pooled one when possible)."""
-        fits = [b for b in self._free if num_bytes <= b.size <= 2 * num_bytes]
-        if not fits:
+        with self._lock:
+            fits = [b for b in self._free if num_bytes <= b.size <= 2 * num_bytes]
+            if not fits:
+                base = None
+            else:
+                base = min(fits, key=lambda b: b.size)
+                self._free = [b for b in self._free if b is not base]
+        if base is None:
             return np.empty(num_bytes, dtype=np.uint8)
-        base = min(fits, key=lambda b: b.size)
-        self._free = [b for b in self._free if b is not base]
         return base[:num_bytes]
 
     def give(self, buffer: np.ndarray) -> None:
         base = buffer.base if isinstance(buffer.base, np.ndarray) else buffer
-        if any(b is base for b in self._free):
-            return
-        if self.num_free_bytes + base.size <= self.max_bytes:
-            self._free.append(base)
+        with self._lock:
+            if any(b is base for b in self._free):
+                return
+            if sum(b.size for b in self._free) + base.size <= self.max_bytes:
+                self._free.append(base)
 
 
 @dataclass
@@ -446,11 +454,11 @@ class ReceiverCore:
 
     # -- backend side ------------------------------------------------------------
 
-    def begin(self, header: TransferHeader) -> np.ndarray:
-        """Validate a header and return the buffer its payload goes into.
+    def check(self, header: TransferHeader) -> None:
+        """The checks of a header that need no request state: token, layout, size.
 
-        Raises UnauthorizedError, LayoutMismatchError, UnknownRequestError,
-        DuplicateTransferError or PayloadTooLargeError; nothing is held then.
+        Safe from any thread (it reads only the config). Raises UnauthorizedError,
+        LayoutMismatchError or PayloadTooLargeError.
         """
         cfg = self.config
         if not hmac.compare_digest(header.cluster_token.encode(), cfg.cluster_token.encode()):
@@ -459,6 +467,21 @@ class ReceiverCore:
             raise LayoutMismatchError(f"layout {header.layout} != receiver's {cfg.layout}")
         if header.payload_bytes > cfg.max_payload_bytes:
             raise PayloadTooLargeError(f"{header.payload_bytes} bytes > {cfg.max_payload_bytes}")
+
+    def begin(self, header: TransferHeader, buffer: np.ndarray | None = None) -> np.ndarray:
+        """Validate a header and return the buffer its payload goes into.
+
+        `buffer`: one the backend already took from `pool` (exactly `payload_bytes`
+        long) to receive into before this call; the core owns it from here on. On a
+        refusal the caller keeps it.
+
+        Raises UnauthorizedError, LayoutMismatchError, UnknownRequestError,
+        DuplicateTransferError or PayloadTooLargeError; nothing is held then.
+        """
+        self.check(header)
+        if buffer is not None and buffer.size != header.payload_bytes:
+            raise ValueError(f"buffer of {buffer.size} bytes for {header.payload_bytes}")
+        cfg = self.config
         slot = self._slots.get(header.request_id)
         if slot is None or slot.future.done():
             raise UnknownRequestError(f"request {header.request_id!r} is not expected here")
@@ -467,7 +490,7 @@ class ReceiverCore:
         lease_s = min(header.lease_ms / 1000, cfg.max_lease_s)
         slot.timer.cancel()  # from here on the lease bounds the wait
         slot.header, slot.started_s = header, time.monotonic()
-        slot.buffer = self.pool.take(header.payload_bytes)
+        slot.buffer = self.pool.take(header.payload_bytes) if buffer is None else buffer
         slot.lease_timer = asyncio.get_running_loop().call_later(
             lease_s, self._expire_lease, header.request_id
         )

@@ -1,24 +1,40 @@
-"""UCX transport (the `ucxx` package): header, go/no-go ack, raw payload, final ack.
+"""UCX transport (the `ucxx` package): header and payload at once, one ack at the end.
 
 Wire protocol on one UCX endpoint (tag-matched messages, in order), per transfer:
 
-    sender -> receiver   u64 length, then a serialized `TransferHeader`
-    receiver -> sender   u64 length, then a `TransferAck`: OK ("go") or the typed refusal
-    sender -> receiver   the payload, `payload_bytes` raw bytes in chunks of whole rows
-                         (zero-copy: straight from the caller's buffer into the
-                         receiver's buffer)
-    receiver -> sender   u64 length, then the final `TransferAck` (verified or not)
+    sender -> receiver   a control frame holding the serialized `TransferHeader`,
+                         then at once the payload: `payload_bytes` raw bytes in chunks
+                         of whole rows (`row_chunks`), straight from the caller's buffer
+    receiver -> sender   a control frame holding the `TransferAck`: the typed refusal
+                         right after the header, or the verdict once every block's
+                         checksum was checked
 
-A refused header is answered at once and no payload follows, so the endpoint stays in step
-and can carry the next transfer. A sender keeps a small pool of idle endpoints per
-address; a transfer takes one (or connects), so concurrent sends run in parallel, each on
-its own endpoint. An endpoint whose transfer failed or timed out is closed, never reused.
+A control frame is one message of at most `CONTROL_BYTES`: a u64 length, then that many
+bytes; a longer one (a header with thousands of blocks) spills its tail into a second
+message of exact size. Each side posts a `CONTROL_BYTES` receive for it, so a frame costs
+one message, not a length and then a body.
 
-Event loops. `ucxx` binds its context (and its request-notifier thread) to one asyncio
-loop. This module runs all UCX work on one private loop in a daemon thread, created on
-first use and kept for the life of the process, and bridges callers' loops to it; the
-receiver's `ReceiverCore` stays on the loop that called `start`. So any number of loops
-(one per `asyncio.run`, as in tests) can use UCX one after another or at once.
+There is no go/no-go round trip before the payload: the payload is already on its way
+while the receiver checks the header (UCX holds what arrives before the receives are
+posted). A receiver that refuses a header it could parse answers at once, then receives
+and drops the payload the header announced, so the endpoint stays in step and carries
+the next transfer; the sender waits for its sends to finish before it reports the
+refusal. A header that does not parse, or that announces more than the receiver would
+ever take (`max_payload_bytes`), is refused and the connection hung up.
+
+A sender keeps a small pool of idle endpoints per address; a transfer takes one (or
+connects), so concurrent sends run in parallel, each on its own endpoint. An endpoint
+whose transfer failed or timed out is closed, never reused.
+
+Event loops and progress. `ucxx` binds its context to one asyncio loop. This module
+runs all UCX work on one private loop in a daemon thread, created on first use and kept
+for the life of the process, and bridges callers' loops to it; the receiver's
+`ReceiverCore` stays on the loop that called `start`. So any number of loops (one per
+`asyncio.run`, as in tests) can use UCX one after another or at once. That loop's
+thread is also the only one that progresses the UCX worker (`_Progress`): it sleeps in
+epoll on the worker's event fd, progresses when it fires, and settles the requests that
+completed, with no progress or notifier thread. A receiver thus costs one thread and no
+CPU while idle, and a completion wakes no other thread.
 
 Environment (read by UCX once, when this module first initialises `ucxx`; every value
 is a default that the operator's own environment overrides):
@@ -31,28 +47,28 @@ is a default that the operator's own environment overrides):
 - UCX_RNDV_FRAG_MEM_TYPE=host: `ucxx` defaults rendezvous fragments to CUDA memory,
   which a CPU-only host lacks.
 - UCX_WARN_UNUSED_ENV_VARS=n: quiet UCX's warning about variables it does not use.
-- UCX_RNDV_THRESH=inf: the eager protocol for every size. The receiver posts each
-  chunk's receive before it sends "go", so eager data lands in place; rendezvous over
-  TCP costs a round trip per fragment and measured at half the throughput for 16 MiB.
-- UCXPY_PROGRESS_MODE=thread, UCXPY_ENABLE_PYTHON_FUTURE=1 and
-  UCXPY_ENABLE_DELAYED_SUBMISSION=0 (passed to `ucxx.init`, overridable through those
-  variables): a progress thread plus a notifier thread wake the loop when a request
-  completes, and requests are posted at once rather than handed to the progress thread.
-  NOTE: `blocking` mode halves a small message's round trip (40 us against ~350 us)
-  and took 16 MiB from 0.5x to 0.85x of raw TCP, but ucxx 0.52 then polls: the UCX
-  loop spun a whole core while idle, and in a decode worker that starved the engine
-  thread (p99 TPOT 125 ms against 44 ms in thread mode on the `mixed` bench).
+- UCX_RNDV_THRESH=inf: the eager protocol for every size. Over TCP, rendezvous costs
+  a handshake per chunk; with this module's few multi-MiB messages it measured slower
+  (256 MiB: 3.4-3.8 GB/s against 4.2-4.3 eager; 16 MiB: about the same).
 
-Pipelining. The payload goes as up to 16 chunks of whole rows (`row_chunks`); the
-receiver hashes each chunk (`BlockHasher`, on a small thread pool: xxhash releases the
-GIL) while the next one arrives, so verification costs one chunk's hash after the last
-byte instead of the whole payload's.
+NOTE on ucxx's own progress modes (0.52), measured on a 2-core host: `thread` mode
+moved 16 MiB at ~2 GB/s against ~4 GB/s here, because every completion went from
+ucxx's progress thread to its notifier thread to the loop, and while the data copies
+kept both cores busy each hop waited for a time slice (up to 5 ms). Its `blocking`
+mode never re-arms the worker and awaits requests by polling, so an idle process spun a
+whole core; in a decode worker that starved the engine thread (p99 TPOT 125 ms against
+44 ms). `_Progress` is the blocking mode done by the book, which is why this module
+reaches into ucxx below its Endpoint API (`_Endpoint`).
+
+Pipelining. The receiver hashes each chunk (`BlockHasher`) as soon as it is in, while
+the next one arrives, so verification costs one chunk's hash after the last byte
+instead of the whole payload's.
 
 NOTE: `ucxx`'s Python listener cannot choose its bind address (the C++ builder can, the
 binding does not expose it): it listens on every interface, whatever
 `ReceiverConfig.host` says. `host` is only the address `start` advertises. Every
-transfer still needs the cluster token before a byte of payload is accepted; keep the
-port firewalled to the cluster.
+transfer still needs the cluster token before its payload is kept; keep the port
+firewalled to the cluster.
 """
 
 from __future__ import annotations
@@ -62,6 +78,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -106,8 +123,142 @@ UCX_ENV_DEFAULTS = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
 MAX_MESSAGE_BYTES = 64 << 20  # a header or an ack larger than this is refused
+CONTROL_BYTES = 64 << 10  # a control frame up to this size is one message
+_LENGTH = struct.Struct("<Q")
 MAX_IDLE_ENDPOINTS = 4  # per address, kept by a sender for reuse
 CLOSE_WAIT_S = 2.0  # how long close() waits for connection handlers to wind down
+SAFETY_PROGRESS_S = 0.1  # progress at least this often while requests are outstanding
+
+
+class _Progress:
+    """Progresses the UCX worker on the UCX loop's own thread; nothing else does.
+
+    The worker's event fd is a reader on the loop: each wake-up progresses the worker,
+    settles the futures of the requests that completed, and re-arms the worker. An idle
+    process sleeps in epoll (no thread spins), and a completion wakes no other thread.
+    (ucxx's `thread` mode hands each completion from a progress thread to a notifier
+    thread to the loop: three threads per process on the data path, and on a busy
+    2-core host each hop waited for a time slice, up to 5 ms.) While requests are
+    outstanding a slow timer progresses too, in case a wake-up is ever missed.
+    """
+
+    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker = worker
+        self.loop = loop
+        worker.init_blocking_progress_mode()
+        loop.add_reader(worker.epoll_file_descriptor, self.run)
+        # request -> (its future, its endpoint); a request stays here until UCX is done
+        # with it, even if its waiter gave up, so its buffer's owner can tell when
+        self._waiting: dict[Any, tuple[asyncio.Future[None], _Endpoint]] = {}
+        self._scheduled = False
+        self._safety: asyncio.TimerHandle | None = None
+
+    def track(self, request: Any, owner: _Endpoint) -> asyncio.Future[None]:
+        """A future that ends when `request` (a ucxx request of `owner`) does."""
+        future: asyncio.Future[None] = self.loop.create_future()
+        if request.completed:
+            _settle(request, future)
+            return future
+        self._waiting[request] = (future, owner)
+        owner.outstanding += 1
+        self.kick()  # the post may have queued work only progress pushes out
+        return future
+
+    def kick(self) -> None:
+        """Progress soon (after the callbacks already due)."""
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self.run)
+
+    def run(self) -> None:
+        self._scheduled = False
+        while True:
+            self.worker.progress()
+            for request in [r for r in self._waiting if r.completed]:
+                future, owner = self._waiting.pop(request)
+                _settle(request, future)
+                owner.request_done()
+            if self.worker.arm():  # nothing left to do: sleep until the fd fires
+                break
+        if self._safety is not None:
+            self._safety.cancel()
+            self._safety = None
+        if self._waiting:
+            self._safety = self.loop.call_later(SAFETY_PROGRESS_S, self.run)
+
+
+def _settle(request: Any, future: asyncio.Future[None]) -> None:
+    if future.done():
+        return
+    try:
+        request.check_error()
+    except Exception as exc:  # UCXCanceled, UCXError, a truncated message...
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+
+
+class _Endpoint:
+    """A ucxx endpoint whose tag messages complete through `_Progress`."""
+
+    def __init__(self, ep: Any, progress: _Progress) -> None:
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMaskFull
+
+        self.ep = ep
+        self._progress = progress
+        self.outstanding = 0  # requests UCX is not done with
+        self._settled: asyncio.Future[None] | None = None
+        self._array = Array
+        # the tags ucxx's own Endpoint.send/recv use (agreed with the peer at connect)
+        self._send_tag = Tag(ep._tags["msg_send"])
+        self._recv_tag = Tag(ep._tags["msg_recv"])
+        self._recv_mask = TagMaskFull
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.ep.closed)
+
+    def _check(self) -> None:
+        self.ep._ep.raise_on_error()
+        if self.ep.closed:
+            raise PeerUnavailableError("UCX endpoint closed")
+
+    def send(self, buffer: np.ndarray) -> asyncio.Future[None]:
+        """Send `buffer` as one message; UCX reads it until the future ends."""
+        self._check()
+        request = self.ep._ep.tag_send(self._array(buffer), self._send_tag)
+        return self._progress.track(request, self)
+
+    def recv(self, buffer: np.ndarray) -> asyncio.Future[None]:
+        """Receive one message into `buffer` (a shorter one lands in its head)."""
+        self._check()
+        request = self.ep._ep.tag_recv(self._array(buffer), self._recv_tag, self._recv_mask)
+        return self._progress.track(request, self)
+
+    def request_done(self) -> None:
+        self.outstanding -= 1
+        if not self.outstanding and self._settled is not None and not self._settled.done():
+            self._settled.set_result(None)
+
+    def close(self) -> None:
+        """Close the endpoint at once; its requests end (cancelled) on the next progress."""
+        with contextlib.suppress(Exception):  # already broken: nothing more to free
+            self.ep.abort()
+        self._progress.kick()
+
+    async def abort(self, timeout_s: float = CLOSE_WAIT_S) -> bool:
+        """Close the endpoint, ending its requests; True once UCX is done with every
+        buffer they named (within `timeout_s`), so those buffers may be reused."""
+        self.close()
+        if not self.outstanding:
+            return True
+        self._settled = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._settled), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
 
 class _UcxRuntime:
@@ -144,19 +295,24 @@ class _UcxRuntime:
         self.loop.run_forever()
 
     async def _init(self) -> None:
-        self.ucxx.init(
-            progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
-            enable_python_future=os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "1") != "0",
-            enable_delayed_submission=os.environ.get("UCXPY_ENABLE_DELAYED_SUBMISSION") == "1",
-        )
+        from ucxx._lib_async import application_context
+        from ucxx.core import _get_ctx
 
-        # receivers hash arriving chunks here, off the UCX loop (xxhash drops the GIL)
-        self.hash_pool = concurrent.futures.ThreadPoolExecutor(2, "pdserve-kv-hash")
+        loop = asyncio.get_running_loop()
+        # NOTE: ucxx starts its own progress task for a loop it has none for; a
+        # placeholder for this loop keeps it from doing so (its `blocking` task never
+        # re-arms the worker and so spins; see _Progress). No python futures: no
+        # notifier thread either.
+        application_context.ProgressTasks[loop] = None
+        self.ucxx.init(
+            progress_mode="blocking", enable_python_future=False, enable_delayed_submission=False
+        )
+        self.progress = _Progress(_get_ctx().worker, loop)
+        application_context.ProgressTasks[loop] = self.progress
 
     def _shutdown(self) -> None:
         with contextlib.suppress(Exception):  # best effort at exit
-            self.ucxx.stop_notifier_thread()
-        self.hash_pool.shutdown(wait=False, cancel_futures=True)
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
     @classmethod
     def get(cls) -> _UcxRuntime:
@@ -182,27 +338,38 @@ async def _call_on(loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args:
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), loop))
 
 
-async def _send_msg(ep: Any, data: bytes) -> None:
-    await ep.send(np.array([len(data)], dtype=np.uint64))
-    if data:  # an all-default protobuf (an OK ack) serializes to nothing
-        await ep.send(np.frombuffer(data, dtype=np.uint8))
+def _frames(data: bytes) -> list[np.ndarray]:
+    """`data` as a control frame: one message, or two when it does not fit in one."""
+    frame = np.frombuffer(_LENGTH.pack(len(data)) + data, dtype=np.uint8)
+    if frame.size <= CONTROL_BYTES:
+        return [frame]
+    return [frame[:CONTROL_BYTES], frame[CONTROL_BYTES:]]
 
 
-async def _recv_msg(ep: Any) -> bytes:
-    size = np.empty(1, dtype=np.uint64)
-    await ep.recv(size)
-    num_bytes = int(size[0])
+async def _send_control(ep: _Endpoint, data: bytes) -> None:
+    for message in _frames(data):
+        await ep.send(message)
+
+
+async def _recv_control(ep: _Endpoint) -> bytes:
+    """One control frame's bytes; BadHeaderError if it announces too many."""
+    first = np.empty(CONTROL_BYTES, dtype=np.uint8)
+    await ep.recv(first)  # a shorter message lands in its head
+    (num_bytes,) = _LENGTH.unpack_from(first.data)
     if num_bytes > MAX_MESSAGE_BYTES:
         raise BadHeaderError(f"message of {num_bytes} bytes > {MAX_MESSAGE_BYTES}")
-    data = np.empty(num_bytes, dtype=np.uint8)
-    if num_bytes:
-        await ep.recv(data)
-    return data.tobytes()
+    end = _LENGTH.size + num_bytes
+    if end <= CONTROL_BYTES:
+        return first[_LENGTH.size : end].tobytes()
+    rest = np.empty(end - CONTROL_BYTES, dtype=np.uint8)
+    await ep.recv(rest)
+    return first[_LENGTH.size :].tobytes() + rest.tobytes()
 
 
-def _close_ep(ep: Any) -> None:
-    with contextlib.suppress(Exception):  # already broken: nothing more to free
-        ep.abort()
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as seen (a request ended by closing its endpoint)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -218,7 +385,7 @@ class UcxReceiver(KVReceiver):
         self._runtime: _UcxRuntime | None = None
         self._core_loop: asyncio.AbstractEventLoop | None = None
         self._listener: Any = None
-        self._endpoints: set[Any] = set()  # touched on the UCX loop only
+        self._endpoints: set[_Endpoint] = set()  # touched on the UCX loop only
         self._handlers: set[asyncio.Task[None]] = set()
         self.address: str | None = None
 
@@ -246,7 +413,7 @@ class UcxReceiver(KVReceiver):
             self._listener.close()
             self._listener = None
         for ep in list(self._endpoints):
-            _close_ep(ep)  # pending receives end with an error: handlers free their data
+            ep.close()  # pending receives end with an error: handlers free their data
         if self._handlers:
             await asyncio.wait(set(self._handlers), timeout=CLOSE_WAIT_S)
 
@@ -254,10 +421,11 @@ class UcxReceiver(KVReceiver):
         assert self._core_loop is not None
         return await _call_on(self._core_loop, fn, *args)
 
-    async def _serve(self, ep: Any) -> None:
+    async def _serve(self, ucxx_ep: Any) -> None:
         """One connection: transfers one after another until the sender hangs up."""
         task = asyncio.current_task()
-        assert task is not None
+        assert task is not None and self._runtime is not None
+        ep = _Endpoint(ucxx_ep, self._runtime.progress)
         self._handlers.add(task)
         self._endpoints.add(ep)
         try:
@@ -268,69 +436,110 @@ class UcxReceiver(KVReceiver):
         finally:
             self._endpoints.discard(ep)
             self._handlers.discard(task)
-            _close_ep(ep)
+            ep.close()
 
-    async def _serve_one(self, ep: Any) -> bool:
+    async def _serve_one(self, ep: _Endpoint) -> bool:
+        """One transfer; False when the connection should end."""
         try:
-            raw = await _recv_msg(ep)
-        except BadHeaderError:
-            return False  # out of step: hang up
-        except Exception:  # the sender hung up between transfers
+            raw = await _recv_control(ep)
+        except Exception:  # the sender hung up between transfers, or is out of step
             return False
         try:
             try:
-                msg = pb.TransferHeader.FromString(raw)
+                header = TransferHeader.from_proto(pb.TransferHeader.FromString(raw))
             except DecodeError as exc:
                 raise BadHeaderError(f"undecodable header: {exc}") from exc
-            header = TransferHeader.from_proto(msg)
-            buffer: np.ndarray = await self._core(self.core.begin, header)
+        except TransferError as exc:  # nothing says how much payload follows: hang up
+            await _send_control(ep, ack_for(exc).SerializeToString())
+            return False
+        try:
+            self.core.check(header)  # token, layout, size: no request state needed
         except TransferError as exc:
-            await _send_msg(ep, ack_for(exc).SerializeToString())
-            return True
-        request_id = header.request_id
+            await _send_control(ep, ack_for(exc).SerializeToString())
+            return await self._drain(ep, header)
+        # The payload is already on its way: post its receives before anything else (UCX
+        # holds what arrives unmatched, and copies it out later), then ask the core
+        # whether it wants it. A refused payload still lands, and goes back to the pool.
+        buffer = self.core.pool.take(header.payload_bytes)
         hasher = BlockHasher(header.layout, header.num_blocks)
         chunks = row_chunks(header.layout, header.num_blocks) if buffer.size else []
         rows = buffer.reshape(hasher.num_rows, -1)
-        # every chunk's receive is posted before the go: the eager protocol then lands
-        # each chunk straight in place (an unexpected one is staged and copied)
-        recvs = [asyncio.ensure_future(ep.recv(rows[a:b].reshape(-1))) for a, b in chunks]
-        await asyncio.sleep(0)  # let each receive post itself
+        recvs = [ep.recv(rows[a:b].reshape(-1)) for a, b in chunks]
+        request_id = header.request_id
         try:
-            await _send_msg(ep, ack_for(None).SerializeToString())  # go
-            for (_, end), recv in zip(chunks, recvs, strict=True):
-                await recv
-                # hash this chunk while the next one arrives
-                await self._loop().run_in_executor(self._hash_pool, hasher.update, buffer, end)
+            await self._core(self.core.begin, header, buffer)
+        except TransferError as exc:
+            await _send_control(ep, ack_for(exc).SerializeToString())
+            return await self._drain(ep, header, recvs, buffer)
+        except BaseException:  # the core's loop is gone: so is the receiver
+            await self._abandon(ep, recvs)
+            raise
+        try:
+            async with asyncio.timeout(self._lease_s(header)):
+                for (_, end), recv in zip(chunks, recvs, strict=True):
+                    await recv
+                    hasher.update(buffer, end)  # this chunk, while the next one arrives
         except BaseException as exc:
-            error = TruncatedError(f"stream of {request_id!r} broke: {exc!r}")
-            _close_ep(ep)  # ends the posted receives
-            _, pending = await asyncio.wait(recvs, timeout=CLOSE_WAIT_S) if recvs else ((), ())
+            why = "no whole payload within the lease" if isinstance(exc, TimeoutError) else exc
+            error = TruncatedError(f"stream of {request_id!r} broke: {why!r}")
+            clean = await self._abandon(ep, recvs)
             with contextlib.suppress(Exception):  # core's loop gone: it freed everything
-                await self._core(self.core.fail, request_id, error, not pending)
+                await self._core(self.core.fail, request_id, error, clean)
             raise
         try:
             await self._core(self.core.finish, request_id, int(buffer.size), hasher.checksums())
             ack = ack_for(None, int(buffer.size))
         except TransferError as exc:
             ack = ack_for(exc, int(buffer.size))
-        await _send_msg(ep, ack.SerializeToString())
+        await _send_control(ep, ack.SerializeToString())
         return True
 
     @staticmethod
-    def _loop() -> asyncio.AbstractEventLoop:
-        return asyncio.get_running_loop()
+    async def _abandon(ep: _Endpoint, recvs: list[asyncio.Future[None]]) -> bool:
+        """Close `ep`, ending its posted receives; True if UCX let go of their buffer in
+        time (it may then be reused)."""
+        for recv in recvs:
+            recv.add_done_callback(_retrieve)
+        return await ep.abort()
 
-    @property
-    def _hash_pool(self) -> concurrent.futures.Executor:
-        assert self._runtime is not None
-        return self._runtime.hash_pool
+    async def _drain(
+        self,
+        ep: _Endpoint,
+        header: TransferHeader,
+        recvs: list[asyncio.Future[None]] | None = None,
+        buffer: np.ndarray | None = None,
+    ) -> bool:
+        """Receive and drop the payload of a refused transfer, so the endpoint stays in
+        step; False (hang up) if it is more than this receiver would ever take, or does
+        not arrive within the lease. `recvs`: receives already posted into `buffer`."""
+        if recvs is None:
+            if header.payload_bytes > self.core.config.max_payload_bytes:
+                return False
+            buffer = self.core.pool.take(header.payload_bytes)
+            rows = buffer.reshape(2 * header.layout.num_layers, -1)
+            chunks = row_chunks(header.layout, header.num_blocks) if buffer.size else []
+            recvs = [ep.recv(rows[a:b].reshape(-1)) for a, b in chunks]
+        assert buffer is not None
+        try:
+            async with asyncio.timeout(self._lease_s(header)):
+                for recv in recvs:
+                    await recv
+        except Exception:
+            if await self._abandon(ep, recvs):
+                self.core.pool.give(buffer)
+            return False
+        self.core.pool.give(buffer)
+        return True
+
+    def _lease_s(self, header: TransferHeader) -> float:
+        return min(header.lease_ms / 1000, self.core.config.max_lease_s)
 
 
 class UcxSender(KVSender):
     def __init__(self) -> None:
         self._runtime: _UcxRuntime | None = None
-        self._idle: dict[str, list[Any]] = {}  # address -> idle endpoints (UCX loop only)
-        self._busy: set[Any] = set()
+        self._idle: dict[str, list[_Endpoint]] = {}  # address -> idle (UCX loop only)
+        self._busy: set[_Endpoint] = set()
         self._closed = False
 
     async def send(
@@ -356,73 +565,91 @@ class UcxSender(KVSender):
         self, address: str, header: TransferHeader, data: np.ndarray, deadline: float
     ) -> TransferStats:
         start = time.monotonic()
-        ep: Any = None
+        ep: _Endpoint | None = None
         try:
             async with asyncio.timeout(max(0.0, deadline - start)):
                 ep = await self._take(address, deadline)
-                await _send_msg(ep, header.to_proto().SerializeToString())
-                go = pb.TransferAck.FromString(await _recv_msg(ep))
-                error = error_from_ack(go)
-                if error is None:
-                    if data.size:  # the receiver's chunks, posted at once, sent in order
-                        rows = data.reshape(2 * header.layout.num_layers, -1)
-                        chunks = row_chunks(header.layout, header.num_blocks)
-                        await asyncio.gather(*(ep.send(rows[a:b].reshape(-1)) for a, b in chunks))
-                    error = error_from_ack(pb.TransferAck.FromString(await _recv_msg(ep)))
+                acked = asyncio.ensure_future(_recv_control(ep))  # posted before any send
+                acked.add_done_callback(_retrieve)
+                messages = _frames(header.to_proto().SerializeToString())
+                if data.size:
+                    rows = data.reshape(2 * header.layout.num_layers, -1)
+                    chunks = row_chunks(header.layout, header.num_blocks)
+                    messages += [rows[a:b].reshape(-1) for a, b in chunks]
+                # in order: the header, then the payload right behind it
+                sends = [ep.send(m) for m in messages]
+                for sent in sends:
+                    sent.add_done_callback(_retrieve)
+                error = error_from_ack(pb.TransferAck.FromString(await acked))
+                try:
+                    for sent in sends:
+                        await sent
+                except Exception:
+                    if error is None:
+                        raise
+                    # refused, and the receiver hung up rather than take the payload
+                    await self._discard(ep)
+                    ep = None
         except TimeoutError:
-            self._discard(ep)
+            await self._discard(ep)
             raise TransferTimeoutError(
                 f"push to {address} took over {deadline - start:.3g}s"
             ) from None
         except TransferError:
-            self._discard(ep)
+            await self._discard(ep)
             raise
         except BaseException as exc:
-            self._discard(ep)
+            await self._discard(ep)
             if isinstance(exc, Exception):
                 raise PeerUnavailableError(f"UCX peer {address} failed: {exc!r}") from exc
             raise
-        self._release(address, ep)
+        if ep is not None:
+            self._release(address, ep)
         if error is not None:
             raise error
         return TransferStats(
             header.request_id, int(data.size), header.num_blocks, time.monotonic() - start
         )
 
-    async def _take(self, address: str, deadline: float) -> Any:
+    async def _take(self, address: str, deadline: float) -> _Endpoint:
         idle = self._idle.get(address, [])
         while idle:
             ep = idle.pop()
             if not ep.closed:
                 self._busy.add(ep)
                 return ep
-            _close_ep(ep)
+            ep.close()
         if self._closed:
             raise PeerUnavailableError("sender is closed")
         assert self._runtime is not None
         host, port = _split_address(address)
         connect_s = max(0.1, deadline - time.monotonic())
         try:
-            ep = await self._runtime.ucxx.create_endpoint(host, port, connect_timeout=connect_s)
+            ucxx_ep = await self._runtime.ucxx.create_endpoint(
+                host, port, connect_timeout=connect_s
+            )
         except TimeoutError as exc:  # ucxx's peer-info exchange timed out: nobody there
             raise PeerUnavailableError(f"no UCX receiver answers at {address}") from exc
         except Exception as exc:
             raise PeerUnavailableError(f"cannot connect to {address}: {exc!r}") from exc
+        ep = _Endpoint(ucxx_ep, self._runtime.progress)
         self._busy.add(ep)
         return ep
 
-    def _release(self, address: str, ep: Any) -> None:
+    def _release(self, address: str, ep: _Endpoint) -> None:
         self._busy.discard(ep)
         idle = self._idle.setdefault(address, [])
         if self._closed or ep.closed or len(idle) >= MAX_IDLE_ENDPOINTS:
-            _close_ep(ep)
+            ep.close()
         else:
             idle.append(ep)
 
-    def _discard(self, ep: Any) -> None:
+    async def _discard(self, ep: _Endpoint | None) -> None:
+        """Close an endpoint whose stream state is unknown, and wait (bounded) until UCX
+        no longer reads the caller's payload."""
         if ep is not None:
             self._busy.discard(ep)
-            _close_ep(ep)  # its stream state is unknown
+            await ep.abort()
 
     async def close(self) -> None:
         if self._runtime is not None and not self._closed:
@@ -432,6 +659,6 @@ class UcxSender(KVSender):
     async def _close_all(self) -> None:
         self._closed = True
         for ep in [ep for eps in self._idle.values() for ep in eps] + list(self._busy):
-            _close_ep(ep)
+            ep.close()
         self._idle.clear()
         self._busy.clear()

@@ -254,8 +254,8 @@ def test_sender_killed_mid_stream_frees_the_partial_transfer(socket_transport: A
         begun, freed = asyncio.Event(), asyncio.Event()
         begin, fail = core.begin, core.fail
 
-        def begin_and_tell(header: TransferHeader) -> np.ndarray:
-            buffer = begin(header)
+        def begin_and_tell(header: TransferHeader, *args: Any) -> np.ndarray:
+            buffer = begin(header, *args)
             begun.set()
             return buffer
 
