@@ -292,3 +292,38 @@ def test_sender_killed_mid_stream_frees_the_partial_transfer(socket_transport: A
             await receiver.close()
 
     transport.run(body())
+
+
+@pytest.mark.parametrize("refusal", ["token", "layout", "unknown"])
+def test_a_refused_push_leaves_the_sender_able_to_push_again(
+    transport: Any, refusal: str
+) -> None:
+    """A refused push (of several chunks' worth) must not leave stale bytes behind: the
+    same sender's next push to the same receiver lands whole. (A backend that sends the
+    payload right behind the header has to drop a refused one.)"""
+    layout = transport.layout("bfloat16")
+    wrong = transport.layout("float32") if refusal == "layout" else layout
+    refused_payload = random_payload(wrong, 512, seed=1)  # 16 MiB: several chunks
+    payload = random_payload(layout, 64, seed=2)
+
+    async def body() -> None:
+        receiver = transport.make_receiver(transport.config(layout))
+        sender = transport.make_sender()
+        address = await receiver.start()
+        try:
+            token = "not-the-token" if refusal == "token" else transport.token
+            header = make_header("refused", "m", wrong, refused_payload, token)
+            with pytest.raises(TransferError):
+                await sender.send(address, header, refused_payload, timeout_s=30)
+            receiver.expect("req")
+            header = make_header("req", "m", layout, payload, transport.token)
+            await sender.send(address, header, payload, timeout_s=30)
+            got = await receiver.claim("req", timeout_s=30)
+            assert np.array_equal(got.payload, payload)
+            got.release()
+            assert receiver.num_pending == 0 and receiver.core.num_buffered_bytes == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    transport.run(body())
