@@ -200,36 +200,50 @@ def as_bytes(payload: Payload) -> np.ndarray:
 
 
 class BlockHasher:
-    """Block checksums computed row by row while a payload arrives.
+    """Block checksums computed while a payload arrives, slab by slab.
 
     A payload is 2 * num_layers rows (one per layer and kv), each row holding one slab
-    of every block; block i's checksum hashes its slabs in row order. So rows can be
-    hashed as soon as they are in, in order, and the result equals `block_checksums`.
+    of every block; block i's checksum hashes its slabs in row order. Slabs in payload
+    order are in that order for every block, so a backend can hash each slab as soon
+    as its bytes are in (while they are still in cache), and the result equals
+    `block_checksums`.
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.num_rows = 2 * layout.num_layers
-        self.rows_done = 0
+        self.slabs_done = 0
         self._digests = [xxhash.xxh3_64() for _ in range(num_blocks)]
+
+    @property
+    def rows_done(self) -> int:
+        return self.slabs_done // max(1, self.num_blocks)
 
     def update(self, payload: Payload, rows_end: int) -> None:
         """Hash rows [rows_done, rows_end) of `payload` (the whole payload's buffer)."""
+        self.update_bytes(payload, rows_end * self.num_blocks * self.layout.slab_bytes)
+
+    def update_bytes(self, payload: Payload, end: int) -> None:
+        """Hash every whole slab of `payload` (the whole payload's buffer) that lies
+        before byte `end` and is not hashed yet."""
         data = as_bytes(payload)
         if data.size != self.num_blocks * self.layout.block_bytes:
             raise TruncatedError(
                 f"payload has {data.size} bytes, {self.num_blocks} blocks need "
                 f"{self.num_blocks * self.layout.block_bytes}"
             )
-        rows = data.reshape(self.num_rows, self.num_blocks, self.layout.slab_bytes)
-        for j in range(self.rows_done, rows_end):
-            for digest, slab in zip(self._digests, rows[j], strict=True):
-                digest.update(slab)
-        self.rows_done = max(self.rows_done, rows_end)
+        if not self.num_blocks:
+            return
+        slabs = data.reshape(-1, self.layout.slab_bytes)
+        slabs_end = min(end // self.layout.slab_bytes, slabs.shape[0])
+        digests, num_blocks = self._digests, self.num_blocks
+        for k in range(self.slabs_done, slabs_end):
+            digests[k % num_blocks].update(slabs[k])
+        self.slabs_done = max(self.slabs_done, slabs_end)
 
     def checksums(self) -> tuple[int, ...]:
-        if self.rows_done != self.num_rows:
+        if self.rows_done != self.num_rows and self.num_blocks:
             raise TruncatedError(f"only {self.rows_done} of {self.num_rows} rows hashed")
         return tuple(d.intdigest() for d in self._digests)
 

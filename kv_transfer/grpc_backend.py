@@ -155,7 +155,7 @@ class GrpcReceiver(KVReceiver):
 class _Progress:
     """Where the chunks of one push are going, and how far they got.
 
-    Rows of the payload are hashed as soon as they are complete, between chunks, so
+    Each chunk's whole slabs are hashed right after it is copied in (from cache), so
     verification is done when the last chunk is in.
     """
 
@@ -190,9 +190,7 @@ class _Progress:
             )
         self.buffer[start:end] = np.frombuffer(msg.data, dtype=np.uint8)
         self.received = end
-        rows_in = end // max(1, self.buffer.size // self.hasher.num_rows)
-        if rows_in > self.hasher.rows_done:
-            self.hasher.update(self.buffer, rows_in)
+        self.hasher.update_bytes(self.buffer, end)  # its slabs, while still in cache
 
 
 class GrpcSender(KVSender):
