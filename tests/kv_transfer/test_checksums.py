@@ -42,6 +42,20 @@ def test_rows_hashed_in_any_split_give_the_defined_checksums(splits: list[int]) 
     assert list(block_checksums(data, LAYOUT, 5)) == reference(data, 5)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bytes_hashed_in_any_split_give_the_defined_checksums(seed: int) -> None:
+    """Chunk boundaries anywhere (mid-slab too, as gRPC messages fall): every slab is
+    hashed once, when its last byte is in, and the result is the defined checksum."""
+    data = payload(5, seed)
+    rng = np.random.default_rng(seed)
+    ends = sorted(rng.integers(0, data.size, 7).tolist()) + [data.size]
+    hasher = BlockHasher(LAYOUT, 5)
+    for end in ends:
+        hasher.update_bytes(data, end)
+        assert hasher.slabs_done == end // LAYOUT.slab_bytes
+    assert list(hasher.checksums()) == reference(data, 5)
+
+
 def test_checksums_of_an_incompletely_hashed_payload_are_refused() -> None:
     hasher = BlockHasher(LAYOUT, 2)
     hasher.update(payload(2), 5)
