@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,11 @@ from pdserve.protos import kv_transfer_pb2 as pb
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 _PUSH = f"/{_SERVICE}/Push"
+_PUSH_STREAM = f"/{_SERVICE}/PushStream"
+MAX_IDLE_STREAMS = 4  # idle PushStream calls a sender keeps per receiver
+# acks after which the receiver ends a PushStream call (it cannot tell where the next
+# push starts); after any other, the call carries the next push
+_OUT_OF_STEP = (pb.BAD_HEADER, pb.TRUNCATED, pb.INTERNAL)
 MAX_MESSAGE_BYTES = 64 << 20  # a chunk, or a header (8 bytes of checksum per block)
 # NOTE: measured on 127.0.0.1: 0.5-1 MiB chunks move ~1.5x the bytes/s of 4 MiB ones;
 # grpcio copies each received message through a growing bytearray, and large ones fault
@@ -100,14 +105,8 @@ class GrpcReceiver(KVReceiver):
 
     async def start(self) -> str:
         server = grpc.aio.server(options=[*_OPTIONS, ("grpc.so_reuseport", 0)])
-        handler = grpc.stream_unary_rpc_method_handler(
-            self._push,
-            request_deserializer=grpc_codec.decode,
-            response_serializer=pb.TransferAck.SerializeToString,
-        )
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(_SERVICE, {"Push": handler}),)
-        )
+        handlers = grpc.method_handlers_generic_handler(_SERVICE, self._method_handlers())
+        server.add_generic_rpc_handlers((handlers,))
         bind = f"{self.core.config.host}:{self.core.config.port}"
         if self.tls is None:
             port = server.add_insecure_port(bind)
@@ -119,6 +118,16 @@ class GrpcReceiver(KVReceiver):
         self._server = server
         return f"{self.core.config.host}:{port}"
 
+    def _method_handlers(self) -> dict[str, Any]:
+        codec: dict[str, Any] = {
+            "request_deserializer": grpc_codec.decode,
+            "response_serializer": pb.TransferAck.SerializeToString,
+        }
+        return {
+            "Push": grpc.stream_unary_rpc_method_handler(self._push, **codec),
+            "PushStream": grpc.stream_stream_rpc_method_handler(self._push_stream, **codec),
+        }
+
     async def close(self) -> None:
         server, self._server = self._server, None
         if server is not None:
@@ -128,27 +137,73 @@ class GrpcReceiver(KVReceiver):
     async def _push(
         self, messages: AsyncIterator[grpc_codec.Message], context: Any
     ) -> pb.TransferAck:
-        """One push: a header, then chunks in order; the ack is the core's verdict."""
-        first = await anext(aiter(messages), None)
+        """`Push`: one push on the call; the ack is the response."""
+        stream = aiter(messages)
+        ack, _ = await self._receive(await anext(stream, None), stream, drain=False)
+        return ack
+
+    async def _push_stream(
+        self, messages: AsyncIterator[grpc_codec.Message], context: Any
+    ) -> AsyncIterator[pb.TransferAck]:
+        """`PushStream`: pushes one after another, an ack for each, until the sender
+        closes the call or a message out of place ends it."""
+        stream = aiter(messages)
+        while (first := await anext(stream, None)) is not None:
+            ack, in_step = await self._receive(first, stream, drain=True)
+            yield ack
+            if not in_step:
+                return
+
+    async def _receive(
+        self, first: grpc_codec.Message, stream: AsyncIterator[grpc_codec.Message], drain: bool
+    ) -> tuple[pb.TransferAck, bool]:
+        """One push: `first` must be its header, and exactly its payload's bytes follow
+        on `stream`. Returns the ack (the core's verdict) and whether the stream is still
+        in step (at the next push's header). With `drain`, a refused push's chunks are
+        read and dropped so that it stays in step."""
         if not isinstance(first, pb.TransferHeader):
-            return ack_for(BadHeaderError("a push must start with a header"))
+            return ack_for(BadHeaderError("a push must start with a header")), False
         try:
             header = TransferHeader.from_proto(first)
+        except TransferError as exc:  # how many chunks follow is unknown
+            return ack_for(exc), False
+        lease_s = min(header.lease_ms / 1000, self.core.config.max_lease_s)
+        try:
             buffer = self.core.begin(header)
         except TransferError as exc:  # refused: nothing is held
-            return ack_for(exc)
+            return ack_for(exc), drain and await _skip(stream, header.payload_bytes, lease_s)
         progress = _Progress(buffer, BlockHasher(header.layout, header.num_blocks))
         try:
-            await progress.fill(messages, min(header.lease_ms / 1000, self.core.config.max_lease_s))
+            await progress.fill(stream, lease_s)
+            if not drain and await anext(stream, None) is not None:
+                raise BadHeaderError("a message follows the payload")
             self.core.finish(header.request_id, progress.received, progress.checksums())
         except TransferError as exc:
             self.core.fail(header.request_id, exc)  # no-op when finish already failed it
-            return ack_for(exc, progress.received)
+            # in step if the payload was read whole (a bad checksum, a cancelled request)
+            whole = progress.received == buffer.size and not isinstance(exc, BadHeaderError)
+            return ack_for(exc, progress.received), whole
         except BaseException:  # cancelled: the sender went away or the server stops
             why = f"stream broke after {progress.received} of {buffer.size} bytes"
             self.core.fail(header.request_id, TruncatedError(why))
             raise
-        return ack_for(None, progress.received)
+        return ack_for(None, progress.received), True
+
+
+async def _skip(stream: AsyncIterator[grpc_codec.Message], num_bytes: int, lease_s: float) -> bool:
+    """Read and drop `num_bytes` of chunks (a refused push's) within the lease; False if
+    the stream broke, ended or held anything else first."""
+    skipped = 0
+    try:
+        async with asyncio.timeout(lease_s):
+            while skipped < num_bytes:
+                msg = await anext(stream, None)
+                if not isinstance(msg, grpc_codec.Chunk) or msg.offset != skipped:
+                    return False
+                skipped += len(msg.data)
+    except TimeoutError:
+        return False
+    return skipped == num_bytes
 
 
 @dataclass
@@ -170,11 +225,15 @@ class _Progress:
         self.hasher.update(self.buffer, self.hasher.num_rows)  # no-op unless 0 bytes
         return self.hasher.checksums()
 
-    async def fill(self, messages: AsyncIterator[grpc_codec.Message], lease_s: float) -> None:
-        """Copy chunks, which must arrive in order, into the buffer within the lease."""
+    async def fill(self, stream: AsyncIterator[grpc_codec.Message], lease_s: float) -> None:
+        """Copy the payload's chunks, which must arrive in order, into the buffer within
+        the lease; stop once it is whole, or when the stream ends."""
         try:
             async with asyncio.timeout(lease_s):  # past the lease the core freed the buffer
-                async for msg in messages:
+                while self.received < self.buffer.size:
+                    msg = await anext(stream, None)
+                    if msg is None:
+                        return  # ended early: finish reports the truncation
                     self._put(msg)
         except TimeoutError:
             raise TruncatedError(f"{self.received} bytes arrived within the lease") from None
@@ -193,13 +252,23 @@ class _Progress:
         self.hasher.update_bytes(self.buffer, end)  # its slabs, while still in cache
 
 
+class _Unimplemented(Exception):
+    """The receiver predates `PushStream` (a rolling upgrade): push with `Push`."""
+
+
 class GrpcSender(KVSender):
+    """Pushes on long-lived `PushStream` calls, one push at a time per call, with a few
+    idle calls kept per receiver (like connections in a pool); falls back to one `Push`
+    call per push for a receiver that does not serve `PushStream`."""
+
     def __init__(self, tls: TLSConfig | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 64:
             raise ValueError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 64}]")
         self.tls = tls
         self.chunk_bytes = chunk_bytes
         self._channels: dict[str, Any] = {}
+        self._idle: dict[str, list[Any]] = {}  # address -> idle PushStream calls
+        self._legacy: set[str] = set()  # addresses whose receiver has only Push
 
     async def send(
         self, address: str, header: TransferHeader, payload: Payload, timeout_s: float
@@ -208,17 +277,15 @@ class GrpcSender(KVSender):
         data = as_bytes(payload)
         if data.size != header.payload_bytes:
             raise TruncatedError(f"payload has {data.size} bytes, header {header.payload_bytes}")
-        push = self._channel(address).stream_unary(
-            _PUSH, request_serializer=None, response_deserializer=pb.TransferAck.FromString
-        )
-        messages = _messages(header, data.data, self.chunk_bytes)
-        try:
-            # NOTE: the deadline bounds the RPC; wait_for bounds everything around it too.
-            ack = await asyncio.wait_for(push(messages, timeout=timeout_s), timeout_s)
-        except TimeoutError:
-            raise TransferTimeoutError(f"push to {address} took over {timeout_s}s") from None
-        except grpc.aio.AioRpcError as exc:
-            raise _typed(exc, address) from None
+        ack: pb.TransferAck | None = None
+        if address not in self._legacy:
+            try:
+                ack = await self._push_on_stream(address, header, data, timeout_s)
+            except _Unimplemented:
+                self._legacy.add(address)
+        if ack is None:
+            left_s = max(0.0, timeout_s - (time.monotonic() - start))
+            ack = await self._push_once(address, header, data, left_s)
         error = error_from_ack(ack)
         if error is not None:
             raise error
@@ -226,7 +293,107 @@ class GrpcSender(KVSender):
             header.request_id, ack.bytes_received, header.num_blocks, time.monotonic() - start
         )
 
+    async def _push_on_stream(
+        self, address: str, header: TransferHeader, data: np.ndarray, timeout_s: float
+    ) -> pb.TransferAck:
+        """One push on an idle call (or a new one); the call goes back to the pool only
+        if the receiver stays in step on it."""
+        deadline = time.monotonic() + timeout_s
+        call, reused = self._take(address)
+        try:
+            try:
+                ack = await self._push_on(call, header, data, deadline)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                if not reused:
+                    raise
+                # an idle call the receiver has since dropped (it restarted, say):
+                # nothing of this push was taken, so it goes again on a fresh call
+                call.cancel()
+                call, _ = self._take(address, fresh=True)
+                ack = await self._push_on(call, header, data, deadline)
+        except TimeoutError:
+            call.cancel()
+            raise TransferTimeoutError(f"push to {address} took over {timeout_s}s") from None
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise _Unimplemented from None
+            raise _typed(exc, address) from None
+        except BaseException:
+            call.cancel()
+            raise
+        if ack.code in _OUT_OF_STEP:  # the receiver ended the call after this ack
+            call.cancel()
+        else:
+            self._release(address, call)
+        return ack
+
+    async def _push_on(
+        self, call: Any, header: TransferHeader, data: np.ndarray, deadline: float
+    ) -> pb.TransferAck:
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            try:
+                for message in _messages(header, data.data, self.chunk_bytes):
+                    await call.write(message)
+            except asyncio.InvalidStateError:
+                pass  # the receiver ended the call early: its last ack says why
+            ack = await call.read()
+        if ack is grpc.aio.EOF:
+            code = await call.code()
+            if code != grpc.StatusCode.OK:
+                raise grpc.aio.AioRpcError(
+                    code, grpc.aio.Metadata(), grpc.aio.Metadata(), await call.details()
+                )
+            raise TransferError("the receiver ended the push stream without an ack")
+        assert isinstance(ack, pb.TransferAck)
+        return ack
+
+    async def _push_once(
+        self, address: str, header: TransferHeader, data: np.ndarray, timeout_s: float
+    ) -> pb.TransferAck:
+        """One push on a `Push` call of its own."""
+        push = self._channel(address).stream_unary(
+            _PUSH, request_serializer=None, response_deserializer=pb.TransferAck.FromString
+        )
+
+        async def messages() -> AsyncIterator[bytes]:
+            for message in _messages(header, data.data, self.chunk_bytes):
+                yield message
+
+        try:
+            # NOTE: the deadline bounds the RPC; wait_for bounds everything around it too.
+            ack = await asyncio.wait_for(push(messages(), timeout=timeout_s), timeout_s)
+        except TimeoutError:
+            raise TransferTimeoutError(f"push to {address} took over {timeout_s}s") from None
+        except grpc.aio.AioRpcError as exc:
+            raise _typed(exc, address) from None
+        assert isinstance(ack, pb.TransferAck)
+        return ack
+
+    def _take(self, address: str, fresh: bool = False) -> tuple[Any, bool]:
+        """An idle call to `address` and True, or a new one and False."""
+        idle = self._idle.get(address, [])
+        while idle and not fresh:
+            call = idle.pop()
+            if not call.done():
+                return call, True
+        open_stream = self._channel(address).stream_stream(
+            _PUSH_STREAM, request_serializer=None, response_deserializer=pb.TransferAck.FromString
+        )
+        return open_stream(), False
+
+    def _release(self, address: str, call: Any) -> None:
+        idle = self._idle.setdefault(address, [])
+        if call.done() or len(idle) >= MAX_IDLE_STREAMS or address not in self._channels:
+            call.cancel()
+        else:
+            idle.append(call)
+
     async def close(self) -> None:
+        for calls in self._idle.values():
+            for call in calls:
+                call.cancel()
+        self._idle.clear()
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
@@ -246,9 +413,7 @@ class GrpcSender(KVSender):
         return channel
 
 
-async def _messages(
-    header: TransferHeader, data: memoryview, chunk_bytes: int
-) -> AsyncIterator[bytes]:
+def _messages(header: TransferHeader, data: memoryview, chunk_bytes: int) -> Iterator[bytes]:
     yield grpc_codec.encode_header(header.to_proto())
     for offset in range(0, len(data), chunk_bytes):
         yield grpc_codec.encode_chunk(offset, data[offset : offset + chunk_bytes])

@@ -39,13 +39,29 @@ class KVTransferStub:
                 request_serializer=kv__transfer__pb2.TransferMessage.SerializeToString,
                 response_deserializer=kv__transfer__pb2.TransferAck.FromString,
                 _registered_method=True)
+        self.PushStream = channel.stream_stream(
+                '/pdserve.kv_transfer.KVTransfer/PushStream',
+                request_serializer=kv__transfer__pb2.TransferMessage.SerializeToString,
+                response_deserializer=kv__transfer__pb2.TransferAck.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Push(self, request_iterator, context):
-        """Push one request's KV blocks: a header, then the payload in chunks.
+        """Push one request's KV blocks: a header, then the payload in chunks; the response
+        is the ack.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushStream(self, request_iterator, context):
+        """Pushes one after another on one long-lived call, which saves a call's set-up per
+        push: each header and its chunks are answered by one ack, in order. A refused
+        push's chunks are still read (and dropped), so the call carries the next one; a
+        message out of place ends the call after a BAD_HEADER ack.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -56,6 +72,11 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
+                    request_deserializer=kv__transfer__pb2.TransferMessage.FromString,
+                    response_serializer=kv__transfer__pb2.TransferAck.SerializeToString,
+            ),
+            'PushStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushStream,
                     request_deserializer=kv__transfer__pb2.TransferMessage.FromString,
                     response_serializer=kv__transfer__pb2.TransferAck.SerializeToString,
             ),
@@ -85,6 +106,33 @@ class KVTransfer:
             request_iterator,
             target,
             '/pdserve.kv_transfer.KVTransfer/Push',
+            kv__transfer__pb2.TransferMessage.SerializeToString,
+            kv__transfer__pb2.TransferAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.kv_transfer.KVTransfer/PushStream',
             kv__transfer__pb2.TransferMessage.SerializeToString,
             kv__transfer__pb2.TransferAck.FromString,
             options,

@@ -48,7 +48,7 @@ def test_bytes_hashed_in_any_split_give_the_defined_checksums(seed: int) -> None
     hashed once, when its last byte is in, and the result is the defined checksum."""
     data = payload(5, seed)
     rng = np.random.default_rng(seed)
-    ends = sorted(rng.integers(0, data.size, 7).tolist()) + [data.size]
+    ends = [*sorted(rng.integers(0, data.size, 7).tolist()), data.size]
     hasher = BlockHasher(LAYOUT, 5)
     for end in ends:
         hasher.update_bytes(data, end)

@@ -295,9 +295,7 @@ def test_sender_killed_mid_stream_frees_the_partial_transfer(socket_transport: A
 
 
 @pytest.mark.parametrize("refusal", ["token", "layout", "unknown"])
-def test_a_refused_push_leaves_the_sender_able_to_push_again(
-    transport: Any, refusal: str
-) -> None:
+def test_a_refused_push_leaves_the_sender_able_to_push_again(transport: Any, refusal: str) -> None:
     """A refused push (of several chunks' worth) must not leave stale bytes behind: the
     same sender's next push to the same receiver lands whole. (A backend that sends the
     payload right behind the header has to drop a refused one.)"""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import ipaddress
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -96,3 +98,76 @@ def test_chunk_codec_matches_protobuf(offset: int, size: int) -> None:
         chunk = grpc_codec.decode(raw)
         assert isinstance(chunk, grpc_codec.Chunk)
         assert chunk.offset == offset and bytes(chunk.data) == data
+
+
+class PushOnlyReceiver(GrpcReceiver):
+    """A receiver from before `PushStream` (as during a rolling upgrade)."""
+
+    def _method_handlers(self) -> dict[str, Any]:
+        handlers = super()._method_handlers()
+        del handlers["PushStream"]
+        return handlers
+
+
+def _payload(num_blocks: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, num_blocks * LAYOUT.block_bytes, dtype=np.uint8)
+
+
+async def _push_and_claim(
+    sender: GrpcSender, receiver: GrpcReceiver, address: str, request_id: str, seed: int
+) -> None:
+    payload = _payload(64, seed)
+    receiver.expect(request_id)
+    header = make_header(request_id, "m", LAYOUT, payload, TOKEN)
+    await sender.send(address, header, payload, timeout_s=30)
+    got = await receiver.claim(request_id, timeout_s=30)
+    assert np.array_equal(got.payload, payload)
+    got.release()
+
+
+def test_a_receiver_without_push_stream_gets_plain_pushes() -> None:
+    """The sender falls back to one `Push` call per push, and stays with it."""
+
+    async def body() -> None:
+        receiver = PushOnlyReceiver(ReceiverConfig(cluster_token=TOKEN, layout=LAYOUT))
+        sender = GrpcSender()
+        address = await receiver.start()
+        try:
+            for i in range(2):
+                await _push_and_claim(sender, receiver, address, f"req-{i}", seed=i)
+            assert address in sender._legacy and not sender._idle.get(address)
+            assert receiver.num_pending == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_pushes_share_one_call_and_survive_a_receiver_restart() -> None:
+    """Pushes reuse one idle `PushStream` call; when the receiver restarts on the same
+    port, the call it dropped is not reused: the push goes through on a fresh one."""
+
+    async def body() -> None:
+        config = ReceiverConfig(cluster_token=TOKEN, layout=LAYOUT)
+        receiver = GrpcReceiver(config)
+        sender = GrpcSender()
+        address = await receiver.start()
+        try:
+            await _push_and_claim(sender, receiver, address, "req-0", seed=0)
+            (call,) = sender._idle[address]
+            await _push_and_claim(sender, receiver, address, "req-1", seed=1)
+            assert sender._idle[address] == [call]  # the same call carried both
+            await receiver.close()
+            port = int(address.rpartition(":")[2])
+            receiver = GrpcReceiver(dataclasses.replace(config, port=port))
+            assert await receiver.start() == address
+            await _push_and_claim(sender, receiver, address, "req-2", seed=2)
+            assert sender._idle[address] != [call]
+            assert receiver.num_pending == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
