@@ -1,9 +1,18 @@
-"""gRPC transport: `KVTransfer.Push`, a client stream of one header then payload chunks.
+"""gRPC transport: pushes of one header then payload chunks, on `KVTransfer.PushStream`.
 
-The receiver is a `grpc.aio` server on the decode worker's event loop; the sender keeps
-one channel per receiver address. Chunks skip protobuf's copies (`grpc_codec`), and the
-receiver copies each straight into the buffer `ReceiverCore.begin` hands out, so a chunk
-is copied once into gRPC, once out of it, and once into place.
+The receiver is a `grpc.aio` server on the decode worker's event loop, serving:
+- `PushStream`: a long-lived bidirectional call carrying pushes one after another, an
+  ack for each. A sender keeps up to `MAX_IDLE_STREAMS` idle calls per receiver and
+  takes one per push, so concurrent pushes run on calls of their own. This saves a
+  call's set-up per push (a 1 MiB push: ~1.7 ms on `Push`, ~1 ms here).
+- `Push`: one push per call, for senders from before `PushStream`. A sender falls back
+  to it when a receiver answers UNIMPLEMENTED (a pool upgraded before the other).
+
+The sender keeps one channel per receiver address. Chunks skip protobuf's copies
+(`grpc_codec`), and the receiver copies each straight into the buffer
+`ReceiverCore.begin` hands out and hashes its slabs while they are in cache, so a chunk
+is copied once into gRPC, once or twice inside it, and once into place; grpcio's own
+copies bound the throughput (~2.2 GB/s on a 2-core host, against ~5 for raw TCP).
 """
 
 from __future__ import annotations
