@@ -142,9 +142,10 @@ class _Progress:
     outstanding a slow timer progresses too, in case a wake-up is ever missed.
     """
 
-    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop, version: str) -> None:
         self.worker = worker
         self.loop = loop
+        self.version = version
         worker.init_blocking_progress_mode()
         loop.add_reader(worker.epoll_file_descriptor, self.run)
         # request -> (its future, its endpoint); a request stays here until UCX is done
@@ -210,9 +211,15 @@ class _Endpoint:
         self.outstanding = 0  # requests UCX is not done with
         self._settled: asyncio.Future[None] | None = None
         self._array = Array
+        tags = getattr(ep, "_tags", None)
+        if not isinstance(tags, dict) or not hasattr(ep, "_ep"):
+            raise RuntimeError(
+                f"ucxx {self._progress.version} changed its Endpoint internals, which this "
+                "module uses (see pyproject.toml for the ucxx it supports)"
+            )
         # the tags ucxx's own Endpoint.send/recv use (agreed with the peer at connect)
-        self._send_tag = Tag(ep._tags["msg_send"])
-        self._recv_tag = Tag(ep._tags["msg_recv"])
+        self._send_tag = Tag(tags["msg_send"])
+        self._recv_tag = Tag(tags["msg_recv"])
         self._recv_mask = TagMaskFull
 
     @property
@@ -307,7 +314,7 @@ class _UcxRuntime:
         self.ucxx.init(
             progress_mode="blocking", enable_python_future=False, enable_delayed_submission=False
         )
-        self.progress = _Progress(_get_ctx().worker, loop)
+        self.progress = _Progress(_get_ctx().worker, loop, str(self.ucxx.__version__))
         application_context.ProgressTasks[loop] = self.progress
 
     def _shutdown(self) -> None:
