@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
+from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -19,16 +21,26 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@contextlib.asynccontextmanager
+async def _pair(layout: KVLayout) -> AsyncIterator[tuple[UcxReceiver, UcxSender, str]]:
+    """A started receiver and a sender, closed on the way out."""
+    receiver = UcxReceiver(ReceiverConfig(cluster_token=TOKEN, layout=layout))
+    sender = UcxSender()
+    address = await receiver.start()
+    try:
+        yield receiver, sender, address
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
 def test_idle_sender_and_receiver_use_no_cpu() -> None:
     """With a connection open and idle (the sender keeps it, the receiver waits on it for
     the next header), nothing spins: ucxx's own blocking mode burnt a whole core here."""
     payload = np.random.default_rng(0).integers(0, 256, 8 * LAYOUT.block_bytes, np.uint8)
 
     async def body() -> float:
-        receiver = UcxReceiver(ReceiverConfig(cluster_token=TOKEN, layout=LAYOUT))
-        sender = UcxSender()
-        address = await receiver.start()
-        try:
+        async with _pair(LAYOUT) as (receiver, sender, address):
             receiver.expect("req")
             header = make_header("req", "m", LAYOUT, payload, TOKEN)
             await sender.send(address, header, payload, timeout_s=30)
@@ -36,9 +48,6 @@ def test_idle_sender_and_receiver_use_no_cpu() -> None:
             before = _cpu_s()
             await asyncio.sleep(1.0)  # the window measured, not a synchronisation
             return _cpu_s() - before
-        finally:
-            await sender.close()
-            await receiver.close()
 
     idle_cpu_s = asyncio.run(asyncio.wait_for(body(), 60))
     assert idle_cpu_s < 0.2, f"{idle_cpu_s:.2f} s of CPU in 1 s idle"
@@ -53,10 +62,7 @@ def test_a_header_larger_than_one_control_message_arrives_whole() -> None:
     hashes = tuple(i.to_bytes(32, "little") for i in range(num_blocks))
 
     async def body() -> None:
-        receiver = UcxReceiver(ReceiverConfig(cluster_token=TOKEN, layout=layout))
-        sender = UcxSender()
-        address = await receiver.start()
-        try:
+        async with _pair(layout) as (receiver, sender, address):
             receiver.expect("req")
             header = make_header("req", "m", layout, payload, TOKEN, block_hashes=hashes)
             assert header.to_proto().ByteSize() > CONTROL_BYTES
@@ -65,8 +71,5 @@ def test_a_header_larger_than_one_control_message_arrives_whole() -> None:
             assert got.header.block_hashes == hashes
             assert np.array_equal(got.payload, payload)
             got.release()
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))
