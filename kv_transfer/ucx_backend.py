@@ -477,7 +477,7 @@ class UcxReceiver(KVReceiver):
             await self._core(self.core.begin, header, buffer)
         except TransferError as exc:
             await _send_control(ep, ack_for(exc).SerializeToString())
-            return await self._drain(ep, header, recvs, buffer)
+            return await self._drop(ep, header, recvs, buffer)
         except BaseException:  # the core's loop is gone: so is the receiver
             await self._abandon(ep, recvs)
             raise
@@ -509,24 +509,35 @@ class UcxReceiver(KVReceiver):
             recv.add_done_callback(_retrieve)
         return await ep.abort()
 
-    async def _drain(
+    async def _drain(self, ep: _Endpoint, header: TransferHeader) -> bool:
+        """Receive and drop the payload of a header refused before any receive was
+        posted, chunk by chunk into one scratch buffer, so the endpoint stays in step;
+        False (hang up) if it is more than this receiver would ever take, or does not
+        arrive within the lease."""
+        if header.payload_bytes > self.core.config.max_payload_bytes:
+            return False
+        chunks = row_chunks(header.layout, header.num_blocks) if header.payload_bytes else []
+        row_bytes = header.payload_bytes // (2 * header.layout.num_layers)
+        scratch = np.empty(max(((b - a) * row_bytes for a, b in chunks), default=0), np.uint8)
+        try:
+            async with asyncio.timeout(self._lease_s(header)):
+                for a, b in chunks:  # UCX holds what arrives before its receive is posted
+                    await ep.recv(scratch[: (b - a) * row_bytes])
+        except Exception:
+            await ep.abort()
+            return False
+        return True
+
+    async def _drop(
         self,
         ep: _Endpoint,
         header: TransferHeader,
-        recvs: list[asyncio.Future[None]] | None = None,
-        buffer: np.ndarray | None = None,
+        recvs: list[asyncio.Future[None]],
+        buffer: np.ndarray,
     ) -> bool:
-        """Receive and drop the payload of a refused transfer, so the endpoint stays in
-        step; False (hang up) if it is more than this receiver would ever take, or does
-        not arrive within the lease. `recvs`: receives already posted into `buffer`."""
-        if recvs is None:
-            if header.payload_bytes > self.core.config.max_payload_bytes:
-                return False
-            buffer = self.core.pool.take(header.payload_bytes)
-            rows = buffer.reshape(2 * header.layout.num_layers, -1)
-            chunks = row_chunks(header.layout, header.num_blocks) if buffer.size else []
-            recvs = [ep.recv(rows[a:b].reshape(-1)) for a, b in chunks]
-        assert buffer is not None
+        """Let the receives already posted into `buffer` (a pool buffer) for a refused
+        payload complete, then give the buffer back; False (hang up) if they do not
+        within the lease."""
         try:
             async with asyncio.timeout(self._lease_s(header)):
                 for recv in recvs:
