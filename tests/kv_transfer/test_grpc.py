@@ -137,6 +137,10 @@ def test_a_receiver_without_push_stream_gets_plain_pushes() -> None:
             for i in range(2):
                 await _push_and_claim(sender, receiver, address, f"req-{i}", seed=i)
             assert address in sender._legacy and not sender._idle.get(address)
+            payload = _payload(8, seed=3)  # a refusal comes back typed on `Push` too
+            header = make_header("req-2", "m", LAYOUT, payload, "not-the-token")
+            with pytest.raises(UnauthorizedError):
+                await sender.send(address, header, payload, timeout_s=30)
             assert receiver.num_pending == 0
         finally:
             await sender.close()
