@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.deploy.config import ClusterConfig, Mode
+from pdserve.cluster.config import ClusterConfig, Mode
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port
 from pdserve.engine.sampling_params import SamplingParams
 

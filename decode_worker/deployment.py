@@ -19,8 +19,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.cluster.replica import WorkerReplica, resolve_transfer_host
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.deploy.replica import WorkerReplica, resolve_transfer_host
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_receiver

@@ -11,8 +11,8 @@ from typing import Any, cast
 
 from ray.serve import Application, Deployment
 
+from pdserve.cluster.config import ClusterConfig, PoolAutoscaling
 from pdserve.decode_worker.deployment import DecodeServer
-from pdserve.deploy.config import ClusterConfig, PoolAutoscaling
 from pdserve.prefill_worker.deployment import PrefillServer
 from pdserve.router.app import Router
 

@@ -67,7 +67,7 @@ def _api_keys(path: str | None) -> list[str]:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from pdserve.deploy.config import ClusterConfig
+    from pdserve.cluster.config import ClusterConfig
     from pdserve.deploy.up import run_up
     from pdserve.engine.demo_model import resolve_model
 

@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.deploy.config import ClusterConfig, PoolAutoscaling
+from pdserve.cluster.config import ClusterConfig, PoolAutoscaling
 from pdserve.deploy.redis_server import EmbeddedRedis
 
 READY_TIMEOUT_S = 600.0

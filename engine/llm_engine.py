@@ -51,7 +51,7 @@ def make_attention_backend(
     builds here and takes `dtype` (`engine/cpu_kernels.py`), else the torch path."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
-            from pdserve.kernels.backend import TritonAttentionBackend
+            from pdserve.engine.triton_backend import TritonAttentionBackend
         except ImportError:
             if name == "triton":
                 raise

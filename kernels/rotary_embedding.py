@@ -6,7 +6,7 @@ What it computes, for token t at position p = positions[t] and every head of q a
     out[:half] = x1 * c[:half] - x2 * s[:half]
     out[half:] = x2 * c[half:] + x1 * s[half:]
 
-i.e. engine.rotary.apply_rotary (x * cos + rotate_half(x) * sin) with each product and the
+i.e. the neox rotation (x * cos + rotate_half(x) * sin) with each product and the
 sum rounded to the input dtype exactly as torch rounds them, so the result is bit-identical
 to the reference (float fusion into fma is switched off for this reason). The scaled variants
 (`linear`, `llama3`) are only different cos/sin tables: build them with
@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.rotary import apply_rotary
 from pdserve.kernels._checks import check_device
 
 _MAX_TILE = 2048
@@ -208,9 +207,9 @@ def ref_rotary_embedding(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference (and the CPU path): the engine's apply_rotary on the looked-up rows."""
+    """Torch reference (and the CPU path): the neox rotation on the looked-up rows."""
     cos_t, sin_t = cos[positions], sin[positions]  # [T, D]
-    return apply_rotary(q, cos_t, sin_t), apply_rotary(k, cos_t, sin_t)
+    return _rotate(q, cos_t, sin_t), _rotate(k, cos_t, sin_t)
 
 
 def _check(
@@ -247,3 +246,14 @@ def _check(
             + ", ".join(str(t.dtype) for t in floats)
         )
     check_device(_rotary_embedding_kernel, "ref_rotary_embedding", positions, *floats)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] by per-token cos/sin [T, D] (neox: halves, not pairs).
+
+    The same arithmetic as the engine's `apply_rotary` (kernels are a leaf package and do
+    not import the engine; tests/kernels compares the two).
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

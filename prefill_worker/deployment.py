@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.deploy.replica import WorkerReplica
+from pdserve.cluster.replica import WorkerReplica
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_sender
 from pdserve.prefill_worker.worker import PrefillWorker

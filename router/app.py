@@ -29,14 +29,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
 
-from pdserve.deploy.config import ClusterConfig
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.model_config import load_model_config
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.core import RouterCore, UpstreamError
 from pdserve.router.metrics import CONTENT_TYPE
-from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -22,12 +22,12 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from pdserve.deploy.config import ClusterConfig
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.prefix_index import MatchResult, PrefixIndex, WorkerInfo
 from pdserve.engine.hashing import hash_block_chain, hash_namespace
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Choice, Placer
-from pdserve.router.prefix_index import MatchResult, PrefixIndex, WorkerInfo
 
 logger = logging.getLogger(__name__)
 

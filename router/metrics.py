@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from pdserve.router.prefix_index import WorkerInfo
+from pdserve.cluster.prefix_index import WorkerInfo
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (

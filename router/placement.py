@@ -14,8 +14,8 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from pdserve.deploy.config import Placement, PlacementWeights
-from pdserve.router.prefix_index import MatchResult
+from pdserve.cluster.config import Placement, PlacementWeights
+from pdserve.cluster.prefix_index import MatchResult
 
 
 @dataclass(frozen=True)

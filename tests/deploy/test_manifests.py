@@ -31,7 +31,7 @@ import ray
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from pdserve.deploy.config import ClusterConfig
+from pdserve.cluster.config import ClusterConfig
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port, wait_session_empty
 
 REPO_DIR = Path(__file__).resolve().parents[2]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from pdserve.deploy.config import Placement, PlacementWeights
+from pdserve.cluster.config import Placement, PlacementWeights
+from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
 from pdserve.router.placement import Placer
-from pdserve.router.prefix_index import MatchResult, WorkerInfo
 
 BLOCK = 16
 

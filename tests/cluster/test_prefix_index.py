@@ -17,9 +17,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from pdserve.cluster.prefix_index import PrefixIndex, ReapResult, WorkerInfo
 from pdserve.engine.block_pool import KVEvent, KVEventKind
 from pdserve.engine.hashing import BlockHash, hash_block_chain, hash_namespace
-from pdserve.router.prefix_index import PrefixIndex, ReapResult, WorkerInfo
 
 MODEL = "demo-model"
 BLOCK_SIZE = 4
@@ -277,7 +277,7 @@ def test_register_rejects_invalid_workers(redis_url: str, worker: WorkerInfo) ->
 
 
 def test_import_does_not_pull_torch() -> None:
-    code = "import sys, pdserve.router.prefix_index; assert 'torch' not in sys.modules"
+    code = "import sys, pdserve.cluster.prefix_index; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

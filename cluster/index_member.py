@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
+from pdserve.cluster.prefix_index import PrefixIndex, WorkerInfo
 from pdserve.engine.block_pool import KVEvent
-from pdserve.router.prefix_index import PrefixIndex, WorkerInfo
 
 logger = logging.getLogger(__name__)
 

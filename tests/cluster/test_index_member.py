@@ -8,11 +8,11 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
+from pdserve.cluster.index_member import IndexMember
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.deploy.redis_server import free_port
 from pdserve.engine.block_pool import KVEvent, KVEventKind
 from pdserve.engine.hashing import BlockHash, hash_block_chain, hash_namespace
-from pdserve.router.index_member import IndexMember
-from pdserve.router.prefix_index import PrefixIndex
 
 MODEL = "demo-model"
 CHAIN = hash_block_chain(list(range(40)), 4, hash_namespace(MODEL))

@@ -16,13 +16,13 @@ from typing import Any
 import redis.asyncio as aioredis
 import torch
 
-from pdserve.deploy.config import ClusterConfig, parse_cpu_set
+from pdserve.cluster.config import ClusterConfig, parse_cpu_set
+from pdserve.cluster.index_member import IndexMember
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.base import tune_malloc
-from pdserve.router.index_member import IndexMember
-from pdserve.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 _AUTOSCALING_STATS = (
