@@ -33,7 +33,7 @@ def parse_cpu_set(text: str) -> set[int]:
 
 
 class PlacementWeights(BaseModel):
-    """How the prefix-aware placement trades cached prefix against load (DESIGN.md).
+    """How the prefix-aware placement trades cached prefix against load (docs/architecture.md).
 
     Prefill cost, in tokens: tokens left to prefill on the worker + its queued prefill
     tokens. Decode cost: `running` x (running + in-flight sequences) + `kv_usage` x
@@ -125,7 +125,7 @@ class ClusterConfig(BaseModel):
     max_inflight_requests: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
 
-    # Leases and deadlines (DESIGN.md, "The KV handoff").
+    # Leases and deadlines (docs/kv-handoff.md).
     worker_lease_s: float = Field(default=10.0, gt=0)
     heartbeat_s: float = Field(default=1.0, gt=0)
     kv_wait_timeout_s: float = Field(default=10.0, gt=0)

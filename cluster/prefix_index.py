@@ -2,7 +2,7 @@
 
 Workers publish the STORED/REMOVED events of their block pools; the router asks, in one
 round trip, how many leading blocks of a prompt's hash chain each live worker holds
-(DESIGN.md, "Request path" steps 2 and 6). Plain Python: no torch anywhere.
+(docs/prefix-index.md). Plain Python: no torch anywhere.
 
 Redis schema, every key prefixed ``pdserve:{model_id}:``:
 
@@ -28,7 +28,7 @@ register again and republish its whole cache. Dead entries are removed lazily by
 
 NOTE: scripts build worker keys from a prefix instead of declaring them in KEYS, because
 match() discovers workers inside the script. That needs a standalone Redis (or one
-primary), which is what DESIGN.md specifies; Redis Cluster would need hash tags.
+primary), as docs/prefix-index.md says; Redis Cluster would need hash tags.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Framework-free (the Ray Serve deployment wraps it). A request expected to arrive with KV
 waits for it at most `kv_wait_timeout_s`; a transfer that fails, arrives late, or cannot
 be admitted (its prefix evicted meanwhile) falls back to local prefill, so the client
-sees the same tokens either way (DESIGN.md, "The KV handoff").
+sees the same tokens either way (docs/kv-handoff.md).
 """
 
 from __future__ import annotations

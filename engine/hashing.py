@@ -1,6 +1,6 @@
 """The one prefix-hash function used cluster-wide (router, Redis index, prefill, decode).
 
-Scheme (DESIGN.md, "Decisions: Block hashing"):
+Scheme (docs/prefix-index.md, "Block hashes"):
 
     namespace = sha256(u32le(len(model_id)) || model_id || u32le(len(salt)) || salt)
     h_0       = ROOT_HASH = sha256(b"pdserve/block-hash/v1")

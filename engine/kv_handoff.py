@@ -1,4 +1,4 @@
-"""The engine's side of the prefill -> decode KV handoff (DESIGN.md, "The KV handoff").
+"""The engine's side of the prefill -> decode KV handoff (docs/kv-handoff.md).
 
 Prefill role: a request runs with `hold_kv` until its first token; its blocks stay
 referenced, `export_kv` packs the ones the decode worker lacks, `release_kv` lets them

@@ -9,7 +9,7 @@ cluster token) and a payload, the bytes `kernels/kv_pack.py` produces:
 Block i's checksum is xxh3-64 over its 2 * num_layers slabs `payload[l, kv, i]`, in
 (layer, kv) order (`block_checksums`).
 
-Who frees what, when (DESIGN.md, "The KV handoff"):
+Who frees what, when (docs/kv-handoff.md):
 - The sender owns its payload until `KVSender.send` returns or raises; it never waits
   longer than `timeout_s`. On success the receiver has verified and buffered the KV; on
   any error (typed, see `errors.py`) nothing is buffered, and the caller unreferences

@@ -2,7 +2,7 @@
 
 Framework-free (the Ray Serve deployment wraps it). The request's blocks stay held from
 its prefill until the push ends, then go back to the prefix cache, whatever the outcome
-(DESIGN.md, "The KV handoff": P frees what D never acknowledged).
+(docs/kv-handoff.md: P frees what D never acknowledged).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The router's request path, independent of HTTP (DESIGN.md, "Request path").
+"""The router's request path, independent of HTTP (docs/architecture.md, "Request path").
 
 `RouterCore.generate` takes a tokenized, validated request and yields the decode
 worker's output items. In between: one index round trip (every live worker's matched

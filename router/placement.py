@@ -1,4 +1,4 @@
-"""Joint placement of a request's prefill and decode workers (DESIGN.md, "Placement").
+"""Joint placement of a request's prefill and decode workers (docs/architecture.md, "Request path").
 
 Input: for each live worker of a pool, how many leading blocks of the prompt it holds
 (one index round trip) and its load (heartbeat gauges plus what this router has in

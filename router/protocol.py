@@ -5,7 +5,7 @@
 bounds included, in ``/openapi.json``. `parse_request` validates a raw body and turns
 every failure into a `ProtocolError` (HTTP 400 with an OpenAI error body naming the
 field); `to_sampling_params` checks the tokenized prompt against the model's context and
-builds the engine's `SamplingParams`. Plain Python: no torch (DESIGN.md, "Layout").
+builds the engine's `SamplingParams`. Plain Python: no torch (docs/architecture.md, "Layout").
 
 Supported: one prompt per request (a string, token ids, or a list holding exactly one
 of either); chat messages with string content or text parts; temperature, top_p, seed,

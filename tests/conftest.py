@@ -36,7 +36,7 @@ from pdserve.engine.demo_model import write_demo_model
 
 # NOTE: `triton.jit` decides when a kernel module is imported whether kernels are compiled
 # or interpreted, so the switch is set here, before any test module can import
-# `pdserve.kernels`. Without a GPU the kernels run in Triton's interpreter (DESIGN.md,
+# `pdserve.kernels`. Without a GPU the kernels run in Triton's interpreter (docs/architecture.md,
 # "Kernels"); TRITON_INTERPRET=1 set by the caller still forces it on a GPU machine.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -61,7 +61,8 @@ def _cpu_kernels_built() -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread() -> Iterator[None]:
-    """DESIGN.md, "Threads": explicit thread counts; 2 OpenMP threads stall a busy 2-core box."""
+    """Explicit thread counts (docs/architecture.md, "Processes"): 2 OpenMP threads stall
+    a busy 2-core box."""
     import torch
 
     previous = torch.get_num_threads()
@@ -206,7 +207,7 @@ def hf_greedy() -> HFGreedy:
     """`transformers`' greedy tokens: `hf_greedy(model_dir, prompts, max_new_tokens)`.
 
     Runs without any eos (our requests set ignore_eos), in float32: the reference that
-    every serving path's tokens must equal (DESIGN.md, "Correctness bar").
+    every serving path's tokens must equal (docs/architecture.md, "The engine").
     """
 
     def generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

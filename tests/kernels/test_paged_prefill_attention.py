@@ -81,7 +81,7 @@ CASES = {
 }
 
 
-# bf16 is not among them: the interpreter computes bf16 arithmetic wrongly (DESIGN.md,
+# bf16 is not among them: the interpreter computes bf16 arithmetic wrongly (docs/architecture.md,
 # "Kernels"); the GPU-only test below covers it.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
