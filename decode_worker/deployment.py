@@ -63,7 +63,7 @@ class DecodeServer(WorkerReplica):
         """Stream a request. KV is awaited only if the router placed it here for a push."""
         kv_expected = kv_expected and self.expects_kv(target_replica)
         if kv_expected:
-            self.worker.expect_kv(request_id)
+            self.worker.expect_kv(request_id, prompt_token_ids)
         try:
             yield {"type": "accepted", "kv_expected": kv_expected, "worker_id": self.worker_id}
             info: dict[str, Any] = {}

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.hashing import hash_block_chain
 from pdserve.engine.kv_handoff import KVImportError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import TokenLogprobs
 from pdserve.kv_transfer.base import KVReceiver, ReceivedKV
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.kv_transfer.torch_payload import payload_tensor
@@ -38,9 +40,18 @@ class DecodeWorker:
         """Start the transfer receiver; return its address (announced in the index)."""
         return await self.receiver.start()
 
-    def expect_kv(self, request_id: str) -> None:
-        """Register a request whose KV a prefill worker will push (before it is told to)."""
-        self.receiver.expect(request_id, self.kv_wait_timeout_s)
+    def expect_kv(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        """Register a request whose KV a prefill worker will push (before it is told to).
+
+        The receiver takes only this model's KV of this prompt: the push's model id and
+        block hashes must match this engine's model id and the prompt's hash chain
+        (else KVMismatchError, and the request is prefilled here).
+        """
+        engine = self.engine.engine  # immutable settings only: safe off the engine thread
+        chain = hash_block_chain(prompt_token_ids, engine.config.block_size, engine.hash_namespace)
+        self.receiver.expect(
+            request_id, self.kv_wait_timeout_s, model_id=engine.model_id, block_hashes=chain
+        )
 
     async def generate(
         self,
@@ -64,6 +75,13 @@ class DecodeWorker:
             if received is not None:
                 header = received.header
                 payload = payload_tensor(received.payload, header.layout)
+                first_lp = None
+                if header.first_token_logprob is not None:
+                    first_lp = TokenLogprobs(
+                        header.first_token,
+                        header.first_token_logprob,
+                        header.first_token_top_logprobs,
+                    )
                 try:
                     first = engine.add_prefilled_request(
                         request_id,
@@ -73,6 +91,7 @@ class DecodeWorker:
                         payload,
                         first_block=header.first_block_index,
                         stream=True,
+                        first_logprobs=first_lp,
                     )
                     info.update(kv_used=True, first_block=header.first_block_index)
                     return first

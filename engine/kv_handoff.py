@@ -21,7 +21,7 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.hashing import BlockHash
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 
 
 class KVImportError(InvalidRequestError):
@@ -36,6 +36,9 @@ class KVExport:
     block_hashes: tuple[BlockHash, ...]  # hashes of the full blocks in `payload`
     first_token: int
     payload: torch.Tensor  # [layers, 2, n, KVH, block_size, D], contiguous
+    # the first token's logprob and top-n, when the request asked for logprobs: the
+    # decode worker reports them as its first token's, so no token lacks one
+    first_logprobs: TokenLogprobs | None = None
 
 
 def export_kv(seq: Sequence, kv_cache: torch.Tensor, block_size: int, first_block: int) -> KVExport:
@@ -55,6 +58,7 @@ def export_kv(seq: Sequence, kv_cache: torch.Tensor, block_size: int, first_bloc
         block_hashes=tuple(seq.full_block_hashes(block_size)[first_block:num_full]),
         first_token=seq.output_token_ids[0],
         payload=kv_cache.index_select(2, ids).contiguous(),
+        first_logprobs=seq.output_logprobs[0] if seq.output_logprobs else None,
     )
 
 

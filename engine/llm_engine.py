@@ -21,7 +21,7 @@ from pdserve.engine.demo_model import resolve_model
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.hashing import hash_namespace
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from pdserve.engine.kv_handoff import KVExport, export_kv, import_prefilled
+from pdserve.engine.kv_handoff import KVExport, KVImportError, export_kv, import_prefilled
 from pdserve.engine.model import LlamaModel, load_model
 from pdserve.engine.model_config import ModelConfig, load_model_config
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
@@ -29,7 +29,7 @@ from pdserve.engine.outputs import RequestOutput, TextTracker, make_output
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from pdserve.engine.sequence import FinishReason, Sequence
+from pdserve.engine.sequence import FinishReason, Sequence, TokenLogprobs
 from pdserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -170,20 +170,27 @@ class LLMEngine:
         payload: torch.Tensor,
         first_block: int = 0,
         stream: bool = False,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> RequestOutput:
         """Decode role: admit a request whose prompt KV was computed elsewhere.
 
         Blocks before `first_block` must still be in this engine's prefix cache; `payload`
-        (kv_pack's layout) holds the rest of the prompt's blocks. Returns the output of
-        the first token. Raises KVImportError (nothing held) when the KV cannot be used:
-        the caller then prefills the request locally instead.
+        (kv_pack's layout) holds the rest of the prompt's blocks. `first_logprobs`: the
+        first token's logprob and top-n as the prefill worker's sampler computed them
+        (required when `params` asks for logprobs: they become the first entry of the
+        request's logprobs). Returns the output of the first token. Raises
+        KVImportError (nothing held) when the KV cannot be used: the caller then
+        prefills the request locally instead.
         """
+        _check_first_logprobs(first_token, params, first_logprobs)
         seq = self._new_sequence(request_id, prompt_token_ids, params, None)
         import_prefilled(
             seq, payload, first_block, self.kv_manager, self.runner.kv_cache, self.scheduler
         )
         self._track(seq, stream)
         seq.append_token(first_token)
+        if first_logprobs is not None and params.logprobs is not None:
+            seq.output_logprobs.append(first_logprobs)
         reason = self.scheduler.stop_reason(seq, first_token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -335,6 +342,24 @@ class LLMEngine:
         if seq.hold_kv and seq.finish_reason is not FinishReason.ABORT:
             self._held[seq.request_id] = seq
         self._trackers.pop(seq.request_id, None)
+
+
+def _check_first_logprobs(
+    first_token: int, params: SamplingParams, first_logprobs: TokenLogprobs | None
+) -> None:
+    """Raises KVImportError when a request that wants logprobs lacks its first token's
+    (a prefill worker that did not send them) or got another token's or count: local
+    prefill then computes them, rather than a response missing one."""
+    if params.logprobs is None:
+        return
+    if first_logprobs is None:
+        raise KVImportError("the first token's logprobs did not come with the KV")
+    if first_logprobs.token_id != first_token or len(first_logprobs.top) != params.logprobs:
+        raise KVImportError(
+            f"the first token's logprobs are for token {first_logprobs.token_id} with "
+            f"{len(first_logprobs.top)} alternatives; token {first_token} with "
+            f"{params.logprobs} expected"
+        )
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -56,7 +56,9 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         sorted_logits, sorted_ids = (logits / temps.unsqueeze(1)).sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        top_k = torch.tensor(
+            [p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device
+        )
         sorted_logits.masked_fill_(ranks >= top_k.unsqueeze(1), float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Clamped to float32's smallest normal: a tinier top_p rounds to 0 and would drop
@@ -84,19 +86,28 @@ class Sampler:
     def _logprobs(
         logits: torch.Tensor, token_ids: list[int], params: Seq[SamplingParams]
     ) -> list[TokenLogprobs | None]:
+        """Logprob of each sampled token and its row's top-n, for rows that want them.
+
+        The one place logprobs are computed: the first token's on a prefill worker (it
+        travels to the decode worker in the transfer header) and every later one's.
+        Computed on the logits' device for all wanted rows at once, then copied to the
+        host in two transfers (values, ids), whatever the number of rows.
+        """
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         result: list[TokenLogprobs | None] = [None] * len(token_ids)
         if not wanted:
             return result
-        logprobs = logits.index_select(0, torch.tensor(wanted)).log_softmax(dim=-1)
+        device = logits.device
+        rows = torch.tensor(wanted, device=device)
+        logprobs = logits.index_select(0, rows).log_softmax(dim=-1)  # [W, vocab] float32
+        chosen_ids = torch.tensor([token_ids[i] for i in wanted], device=device)
+        chosen = logprobs.gather(1, chosen_ids.unsqueeze(1))  # [W, 1]
+        max_top = max(params[i].logprobs or 0 for i in wanted)
+        top_vals, top_ids = logprobs.topk(max_top, dim=-1)  # [W, max_top], most likely first
+        values = torch.cat((chosen, top_vals), dim=1).tolist()
+        ids = top_ids.tolist()
         for row, i in enumerate(wanted):
             num_top = params[i].logprobs or 0
-            top_vals, top_ids = logprobs[row].topk(num_top) if num_top else (None, None)
-            top = (
-                tuple(zip(top_ids.tolist(), top_vals.tolist(), strict=True))
-                if top_ids is not None and top_vals is not None
-                else ()
-            )
-            chosen = float(logprobs[row, token_ids[i]])
-            result[i] = TokenLogprobs(token_ids[i], chosen, top)
+            top = tuple(zip(ids[row][:num_top], values[row][1 : 1 + num_top], strict=True))
+            result[i] = TokenLogprobs(token_ids[i], values[row][0], top)
         return result

@@ -1,8 +1,9 @@
 """The KV transfer API: what a prefill worker sends and a decode worker receives.
 
 A transfer moves one request's KV blocks (all layers) from P to D: a `TransferHeader`
-(request id, layout, block hashes, first token, a checksum per block, a lease, the
-cluster token) and a payload, the bytes `kernels/kv_pack.py` produces:
+(request id, model id, layout, block hashes, the first token and its logprobs, a
+checksum per block, a lease, the cluster token) and a payload, the bytes
+`kernels/kv_pack.py` produces:
 
     payload [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]  (layer-major)
 
@@ -15,11 +16,15 @@ Who frees what, when (docs/kv-handoff.md):
   any error (typed, see `errors.py`) nothing is buffered, and the caller unreferences
   its blocks either way.
 - The receiver only accepts a request it `expect`s (else `UnknownRequestError`), from a
-  sender with the cluster token, with its own layout. Arriving bytes live in a buffer
-  the receiver owns; a partial transfer (the sender died, the stream broke) is freed at
-  once, or at the latest when its lease ends. Verified KV waits, buffered, until
-  `claim` takes it (then the caller owns it) or its lease ends (then it is freed and
-  the claim fails with `LeaseExpiredError`). `cancel` drops everything of a request.
+  sender with the cluster token, with its own layout, and, when the expectation names
+  them, for the expected model and prompt: the header's model id and block hashes must
+  be those the decode worker computed from the request (else `KVMismatchError`, which
+  fails the expectation too, so the decode worker prefills locally at once). Arriving
+  bytes live in a buffer the receiver owns; a partial transfer (the sender died, the
+  stream broke) is freed at once, or at the latest when its lease ends. Verified KV
+  waits, buffered, until `claim` takes it (then the caller owns it) or its lease ends
+  (then it is freed and the claim fails with `LeaseExpiredError`). `cancel` drops
+  everything of a request.
 - An expectation itself ends after `expect_timeout_s`, so nothing waits forever.
 """
 
@@ -32,7 +37,7 @@ import hmac
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +47,7 @@ from pdserve.kv_transfer.errors import (
     BadHeaderError,
     ChecksumMismatchError,
     DuplicateTransferError,
+    KVMismatchError,
     LayoutMismatchError,
     LeaseExpiredError,
     PayloadTooLargeError,
@@ -107,7 +113,10 @@ class TransferHeader:
     block_hashes: tuple[bytes, ...] = ()
     first_block_index: int = 0
     first_token: int = -1
-    first_token_logprob: float = 0.0
+    # Set when the request asked for logprobs: the first token's, and its top-n
+    # alternatives as (token id, logprob), most likely first (float32 values).
+    first_token_logprob: float | None = None
+    first_token_top_logprobs: tuple[tuple[int, float], ...] = ()
     lease_ms: int = 30_000
     cluster_token: str = ""
 
@@ -128,11 +137,14 @@ class TransferHeader:
             block_hashes=list(self.block_hashes),
             first_block_index=self.first_block_index,
             first_token=self.first_token,
-            first_token_logprob=self.first_token_logprob,
+            first_token_logprob=self.first_token_logprob,  # None: left absent
             block_checksums=list(self.block_checksums),
             lease_ms=self.lease_ms,
             cluster_token=self.cluster_token,
             payload_bytes=self.payload_bytes,
+            first_token_top_logprobs=[
+                pb.TokenLogprob(token_id=t, logprob=v) for t, v in self.first_token_top_logprobs
+            ],
         )
 
     @classmethod
@@ -146,7 +158,12 @@ class TransferHeader:
             block_hashes=tuple(msg.block_hashes),
             first_block_index=msg.first_block_index,
             first_token=msg.first_token,
-            first_token_logprob=msg.first_token_logprob,
+            first_token_logprob=(
+                msg.first_token_logprob if msg.HasField("first_token_logprob") else None
+            ),
+            first_token_top_logprobs=tuple(
+                (t.token_id, t.logprob) for t in msg.first_token_top_logprobs
+            ),
             lease_ms=msg.lease_ms,
             cluster_token=msg.cluster_token,
         )
@@ -279,7 +296,8 @@ def make_header(
     block_hashes: tuple[bytes, ...] = (),
     first_block_index: int = 0,
     first_token: int = -1,
-    first_token_logprob: float = 0.0,
+    first_token_logprob: float | None = None,
+    first_token_top_logprobs: tuple[tuple[int, float], ...] = (),
     lease_ms: int = 30_000,
 ) -> TransferHeader:
     """The header of `payload`, its checksums computed."""
@@ -295,6 +313,7 @@ def make_header(
         first_block_index=first_block_index,
         first_token=first_token,
         first_token_logprob=first_token_logprob,
+        first_token_top_logprobs=first_token_top_logprobs,
         lease_ms=lease_ms,
         cluster_token=cluster_token,
     )
@@ -391,6 +410,8 @@ class _Slot:
     started_s: float = 0.0
     lease_timer: asyncio.TimerHandle | None = None
     writer_done: bool = False  # the backend finished or failed: no more writes to buffer
+    model_id: str | None = None  # what the header must say, when the expectation knows
+    block_hashes: tuple[bytes, ...] | None = None  # the prompt's full blocks, from block 0
 
 
 class ReceiverCore:
@@ -415,14 +436,33 @@ class ReceiverCore:
 
     # -- decode side -------------------------------------------------------------
 
-    def expect(self, request_id: str, timeout_s: float | None = None) -> None:
-        """Announce that KV for `request_id` may arrive; it must within `timeout_s`."""
+    def expect(
+        self,
+        request_id: str,
+        timeout_s: float | None = None,
+        *,
+        model_id: str | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+    ) -> None:
+        """Announce that KV for `request_id` may arrive; it must within `timeout_s`.
+
+        `model_id` and `block_hashes` (the hash chain of the prompt's full blocks, from
+        block 0) are what the request's KV must be for: a header that says otherwise
+        is refused with `KVMismatchError` (None: not checked). The cluster token only
+        says who may push; this says the push is the KV of this prompt on this model,
+        so a mixed-up push (another model's pool, a reused request id) never decodes.
+        """
         if request_id in self._slots:
             raise DuplicateTransferError(f"request {request_id!r} is already expected")
         loop = asyncio.get_running_loop()
         wait_s = self.config.expect_timeout_s if timeout_s is None else timeout_s
         timer = loop.call_later(wait_s, self._expire, request_id, "no KV arrived in time")
-        self._slots[request_id] = _Slot(future=loop.create_future(), timer=timer)
+        self._slots[request_id] = _Slot(
+            future=loop.create_future(),
+            timer=timer,
+            model_id=model_id,
+            block_hashes=None if block_hashes is None else tuple(block_hashes),
+        )
 
     async def claim(self, request_id: str, timeout_s: float) -> ReceivedKV:
         """Wait (at most `timeout_s`) for the request's verified KV and take ownership.
@@ -490,7 +530,10 @@ class ReceiverCore:
         refusal the caller keeps it.
 
         Raises UnauthorizedError, LayoutMismatchError, UnknownRequestError,
-        DuplicateTransferError or PayloadTooLargeError; nothing is held then.
+        DuplicateTransferError, PayloadTooLargeError or KVMismatchError; nothing is
+        held then. A KVMismatchError also fails the expectation (the claimer gets it):
+        a sender with the cluster token pushed KV that is not this request's, so the
+        right KV will not come.
         """
         self.check(header)
         if buffer is not None and buffer.size != header.payload_bytes:
@@ -501,6 +544,11 @@ class ReceiverCore:
             raise UnknownRequestError(f"request {header.request_id!r} is not expected here")
         if slot.buffer is not None:
             raise DuplicateTransferError(f"a transfer for {header.request_id!r} is under way")
+        mismatch = _mismatch(slot, header)
+        if mismatch is not None:
+            error = KVMismatchError(f"request {header.request_id!r}: {mismatch}")
+            self.fail(header.request_id, error)
+            raise error
         lease_s = min(header.lease_ms / 1000, cfg.max_lease_s)
         slot.timer.cancel()  # from here on the lease bounds the wait
         slot.header, slot.started_s = header, time.monotonic()
@@ -605,6 +653,30 @@ class ReceiverCore:
             self._free(slot)
 
 
+def _mismatch(slot: _Slot, header: TransferHeader) -> str | None:
+    """How `header` differs from what `slot` expects (None: as expected).
+
+    The header carries the hashes of the full prompt blocks it sends, from
+    `first_block_index` on; they must be the expected chain's from there to its end.
+    """
+    if slot.model_id is not None and header.model_id != slot.model_id:
+        return f"KV of model {header.model_id!r}, expected {slot.model_id!r}"
+    if slot.block_hashes is not None:
+        want = slot.block_hashes[header.first_block_index :]
+        if header.block_hashes != want:
+            pairs = zip(header.block_hashes, want, strict=False)  # lengths may differ
+            bad = next(
+                (i for i, (a, b) in enumerate(pairs) if a != b),
+                min(len(header.block_hashes), len(want)),
+            )
+            return (
+                f"block hashes differ from the prompt's at block "
+                f"{header.first_block_index + bad} ({len(header.block_hashes)} sent from "
+                f"block {header.first_block_index}, {len(want)} expected)"
+            )
+    return None
+
+
 def _set_error(future: asyncio.Future[ReceivedKV], error: TransferError) -> None:
     if not future.done():
         future.set_exception(error)
@@ -650,8 +722,16 @@ class KVReceiver(ABC):
     async def close(self) -> None:
         """Stop listening, drop every connection and every held transfer. Idempotent."""
 
-    def expect(self, request_id: str, timeout_s: float | None = None) -> None:
-        self.core.expect(request_id, timeout_s)
+    def expect(
+        self,
+        request_id: str,
+        timeout_s: float | None = None,
+        *,
+        model_id: str | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+    ) -> None:
+        """`ReceiverCore.expect`: the request's KV may arrive, for this model and prompt."""
+        self.core.expect(request_id, timeout_s, model_id=model_id, block_hashes=block_hashes)
 
     async def claim(self, request_id: str, timeout_s: float) -> ReceivedKV:
         return await self.core.claim(request_id, timeout_s)

@@ -47,8 +47,21 @@ class BadHeaderError(TransferError):
     code = pb.BAD_HEADER
 
 
+class KVMismatchError(TransferError):
+    """The header's model id or block hashes are not those of the request the receiver
+    expects: the KV belongs to another model or another prompt, so it is refused (and
+    the decode worker prefills the request itself)."""
+
+    code = pb.KV_MISMATCH
+
+
 class PeerUnavailableError(TransferError):
     """The receiver could not be reached (refused, reset, or unknown address)."""
+
+
+class TLSHandshakeError(PeerUnavailableError):
+    """The TLS handshake failed: a certificate not signed by the trusted CA, a name it does
+    not hold, a client certificate missing under mutual TLS, or one side without TLS."""
 
 
 class TransferTimeoutError(TransferError):
@@ -67,6 +80,7 @@ _BY_CODE: dict[int, type[TransferError]] = {
         DuplicateTransferError,
         PayloadTooLargeError,
         BadHeaderError,
+        KVMismatchError,
     )
 }
 

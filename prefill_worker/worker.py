@@ -91,6 +91,9 @@ class PrefillWorker:
             packed = time.monotonic()
             export = self.engine.take_finish_result(request_id)
             payload = payload_bytes(export.payload)
+            # the first token's logprobs (if asked for) cross with its KV: the decode
+            # worker reports them, so a response has one for every token
+            first_lp = export.first_logprobs
             header = await asyncio.to_thread(  # checksums: CPU work, off the loop
                 make_header,
                 request_id,
@@ -101,6 +104,8 @@ class PrefillWorker:
                 block_hashes=export.block_hashes,
                 first_block_index=first_block,
                 first_token=first_token,
+                first_token_logprob=None if first_lp is None else first_lp.logprob,
+                first_token_top_logprobs=() if first_lp is None else first_lp.top,
                 lease_ms=self.lease_ms,
             )
             pack_s = time.monotonic() - packed

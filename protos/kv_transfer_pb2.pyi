@@ -20,6 +20,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOO_LARGE: _ClassVar[ErrorCode]
     BAD_HEADER: _ClassVar[ErrorCode]
     INTERNAL: _ClassVar[ErrorCode]
+    KV_MISMATCH: _ClassVar[ErrorCode]
 OK: ErrorCode
 CHECKSUM_MISMATCH: ErrorCode
 LAYOUT_MISMATCH: ErrorCode
@@ -31,6 +32,7 @@ DUPLICATE: ErrorCode
 TOO_LARGE: ErrorCode
 BAD_HEADER: ErrorCode
 INTERNAL: ErrorCode
+KV_MISMATCH: ErrorCode
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
@@ -47,7 +49,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("request_id", "model_id", "layout", "num_blocks", "block_hashes", "first_block_index", "first_token", "first_token_logprob", "block_checksums", "lease_ms", "cluster_token", "payload_bytes")
+    __slots__ = ("request_id", "model_id", "layout", "num_blocks", "block_hashes", "first_block_index", "first_token", "first_token_logprob", "block_checksums", "lease_ms", "cluster_token", "payload_bytes", "first_token_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +62,7 @@ class TransferHeader(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     layout: KVLayout
@@ -72,7 +75,16 @@ class TransferHeader(_message.Message):
     lease_ms: int
     cluster_token: str
     payload_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block_index: _Optional[int] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., block_checksums: _Optional[_Iterable[int]] = ..., lease_ms: _Optional[int] = ..., cluster_token: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    first_token_top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block_index: _Optional[int] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., block_checksums: _Optional[_Iterable[int]] = ..., lease_ms: _Optional[int] = ..., cluster_token: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "data")

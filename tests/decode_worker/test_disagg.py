@@ -1,23 +1,28 @@
 """Prefill worker -> decode worker over a KV transport, in one process (no Ray yet).
 
 Each request goes the way the router will send it: the decode worker expects the KV,
-the prefill worker prefills and pushes, the decode worker streams. Tokens must equal
-the colocated engine's; a prefill that never pushes falls back to local prefill.
+the prefill worker prefills and pushes, the decode worker streams. Tokens (and logprobs,
+the first token's computed on the prefill side) must equal the colocated engine's; a
+prefill that never pushes, or pushes KV of another model or prompt, falls back to local
+prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv_transfer.base import ReceiverConfig
+from pdserve.kv_transfer.errors import KVMismatchError
 from pdserve.kv_transfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
 from pdserve.kv_transfer.torch_payload import layout_of
 from pdserve.prefill_worker.worker import PrefillWorker
@@ -39,37 +44,60 @@ def model_dir(make_checkpoint: Any) -> Path:
     return Path(make_checkpoint(num_heads=4, num_kv_heads=2))
 
 
-def new_engine(model_dir: Path) -> LLMEngine:
-    return LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=8, num_kv_blocks=64))
+def new_engine(model_dir: Path, model_id: str | None = None) -> LLMEngine:
+    config = EngineConfig(dtype="float32", block_size=8, num_kv_blocks=64, model_id=model_id)
+    return LLMEngine(model_dir, config)
 
 
 def seeded(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True)
 
 
-def colocated_tokens(model_dir: Path, sampled: bool = False) -> list[list[int]]:
+def colocated_outputs(
+    model_dir: Path, params: Callable[[int], SamplingParams]
+) -> list[RequestOutput]:
     eng = new_engine(model_dir)
     for i, prompt in enumerate(prompts()):
-        eng.add_request(f"r{i}", prompt, seeded(i) if sampled else GREEDY)
-    done: dict[str, list[int]] = {}
+        eng.add_request(f"r{i}", prompt, params(i))
+    done: dict[str, RequestOutput] = {}
     while eng.has_unfinished:
         for out in eng.step():
-            done[out.request_id] = out.token_ids
+            done[out.request_id] = out
     return [done[f"r{i}"] for i in range(len(prompts()))]
 
 
-async def collect(stream: Any) -> list[int]:
-    tokens: list[int] = []
+def colocated_tokens(model_dir: Path, sampled: bool = False) -> list[list[int]]:
+    outs = colocated_outputs(model_dir, seeded if sampled else lambda i: GREEDY)
+    return [out.token_ids for out in outs]
+
+
+async def collect(stream: Any) -> RequestOutput:
+    """The last output of a stream; every output (what a stream sends) must carry one
+    logprob per token so far when the request asked for logprobs."""
+    last: RequestOutput | None = None
     async for out in stream:
-        tokens = out.token_ids
-    return tokens
+        if out.logprobs is not None:
+            assert len(out.logprobs) == len(out.token_ids), out
+        last = out
+    assert last is not None
+    return last
 
 
-async def serve_all(
-    model_dir: Path, push: bool, sampled: bool = False
-) -> tuple[list[list[int]], int, list[int]]:
+async def serve_outputs(
+    model_dir: Path,
+    push: bool,
+    params: Callable[[int], SamplingParams],
+    prefill_model_id: str | None = None,
+    prefill_prompt: Callable[[list[int]], list[int]] = list,
+) -> tuple[list[RequestOutput], int, list[int]]:
+    """Serve `prompts()` disaggregated; (final outputs, local fallbacks, blocks sent).
+
+    `prefill_model_id` / `prefill_prompt`: what the prefill side uses instead of the
+    decode side's model id / the request's prompt (a mixed-up push).
+    """
     hub = LoopbackHub()
-    p_async, d_async = AsyncEngine(new_engine(model_dir)), AsyncEngine(new_engine(model_dir))
+    p_eng = new_engine(model_dir, prefill_model_id)
+    p_async, d_async = AsyncEngine(p_eng), AsyncEngine(new_engine(model_dir))
     layout = layout_of(d_async.engine.runner.kv_cache)
     decode = DecodeWorker(
         d_async, LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout)), kv_wait_timeout_s=0.5
@@ -79,17 +107,17 @@ async def serve_all(
     results, sent = [], []
     try:
         for i, prompt in enumerate(prompts()):  # dual dispatch, as the router will
-            rid, params = f"r{i}", seeded(i) if sampled else GREEDY
-            decode.expect_kv(rid)
-            stream = collect(decode.generate(rid, prompt, params, kv_expected=True))
+            rid = f"r{i}"
+            decode.expect_kv(rid, prompt)
+            stream = collect(decode.generate(rid, prompt, params(i), kv_expected=True))
             if push:
-                pushed = prefill.prefill(rid, prompt, params, address)
-                tokens, result = await asyncio.gather(stream, pushed)
-                assert tokens[0] == result.first_token
+                pushed = prefill.prefill(rid, prefill_prompt(prompt), params(i), address)
+                out, result = await asyncio.gather(stream, pushed)
+                assert out.token_ids[0] == result.first_token
                 sent.append(result.num_blocks_sent)
             else:
-                tokens = await stream
-            results.append(tokens)
+                out = await stream
+            results.append(out)
         assert decode.receiver.num_pending == 0
         for eng in (p_async.engine, d_async.engine):
             eng.block_pool.check_no_leaks()
@@ -98,6 +126,14 @@ async def serve_all(
         await decode.close()
         await p_async.close()
         await d_async.close()
+
+
+async def serve_all(
+    model_dir: Path, push: bool, sampled: bool = False
+) -> tuple[list[list[int]], int, list[int]]:
+    params = seeded if sampled else lambda i: GREEDY
+    outs, fallbacks, sent = await serve_outputs(model_dir, push, params)
+    return [out.token_ids for out in outs], fallbacks, sent
 
 
 def test_disaggregated_serving_matches_colocated(model_dir: Path) -> None:
@@ -120,3 +156,72 @@ def test_seeded_sampling_is_the_same_disaggregated(model_dir: Path) -> None:
     assert fallbacks == 0
     assert results == colocated_tokens(model_dir, sampled=True)
     assert results != colocated_tokens(model_dir)  # really sampled, not greedy
+
+
+def test_logprobs_of_every_token_cross_the_split(model_dir: Path) -> None:
+    """The first token's logprob and top-2 come from the prefill worker's sampler; the
+    decode worker reports them first, so every token has one, equal to colocated's."""
+    params = dataclasses.replace(GREEDY, logprobs=2)
+    run = serve_outputs(model_dir, True, lambda i: params)
+    outs, fallbacks, _ = asyncio.run(asyncio.wait_for(run, 120))
+    assert fallbacks == 0  # the split really happened: no local prefill
+    want = colocated_outputs(model_dir, lambda i: params)
+    for out, ref in zip(outs, want, strict=True):
+        assert out.token_ids == ref.token_ids
+        assert out.logprobs is not None and ref.logprobs is not None
+        assert len(out.logprobs) == len(out.token_ids) == GREEDY.max_tokens
+        for got, exp, token in zip(out.logprobs, ref.logprobs, out.token_ids, strict=True):
+            assert got.token_id == exp.token_id == token
+            assert got.logprob == pytest.approx(exp.logprob, abs=1e-5)
+            assert len(got.top) == 2
+            assert [t for t, _ in got.top] == [t for t, _ in exp.top]
+            assert [v for _, v in got.top] == pytest.approx([v for _, v in exp.top], abs=1e-5)
+            assert got.top[0][0] == token  # greedy: the most likely token was chosen
+
+
+def _change_first_block(prompt: list[int]) -> list[int]:
+    return [prompt[0] + 1, *prompt[1:]]
+
+
+@pytest.mark.parametrize("mixed_up", ["model", "prompt"])
+def test_kv_of_another_model_or_prompt_is_refused_then_prefilled_here(
+    model_dir: Path, mixed_up: str
+) -> None:
+    """The receiver checks the push's model id and block hashes against the request it
+    expects: a mismatch fails the push (KVMismatchError) and the decode worker prefills
+    locally, so the tokens stay right."""
+    greedy: Callable[[int], SamplingParams] = lambda i: GREEDY  # noqa: E731
+    full_prompts = [p for p in prompts() if len(p) >= 8]  # a full block: hashes to compare
+
+    async def run() -> None:
+        hub = LoopbackHub()
+        p_eng = new_engine(model_dir, "another-model" if mixed_up == "model" else None)
+        p_async, d_async = AsyncEngine(p_eng), AsyncEngine(new_engine(model_dir))
+        layout = layout_of(d_async.engine.runner.kv_cache)
+        receiver = LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout))
+        decode = DecodeWorker(d_async, receiver, kv_wait_timeout_s=5.0)
+        prefill = PrefillWorker(p_async, LoopbackSender(hub), TOKEN)
+        address = await decode.start()
+        try:
+            for i, prompt in enumerate(full_prompts):
+                rid = f"r{i}"
+                decode.expect_kv(rid, prompt)
+                sent = _change_first_block(prompt) if mixed_up == "prompt" else prompt
+                with pytest.raises(KVMismatchError):
+                    await prefill.prefill(rid, sent, GREEDY, address)
+                # refused at once: the claim fails now, not after kv_wait_timeout_s
+                out = await asyncio.wait_for(
+                    collect(decode.generate(rid, prompt, GREEDY, kv_expected=True)), 4.0
+                )
+                assert out.token_ids == want[prompts().index(prompt)]
+            assert decode.num_local_fallbacks == len(full_prompts)
+            assert receiver.num_pending == 0 and receiver.core.num_buffered_bytes == 0
+            for eng in (p_async.engine, d_async.engine):
+                eng.block_pool.check_no_leaks()
+        finally:
+            await decode.close()
+            await p_async.close()
+            await d_async.close()
+
+    want = [out.token_ids for out in colocated_outputs(model_dir, greedy)]
+    asyncio.run(asyncio.wait_for(run(), 120))

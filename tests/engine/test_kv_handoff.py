@@ -2,12 +2,14 @@
 
 Tokens must equal the colocated engine's (itself pinned to `transformers` by
 test_correctness.py), whether the decode side gets every prompt block or only those it
-lacks; a handoff it cannot use is refused with nothing held.
+lacks; the first token's logprobs travel with the KV; a handoff it cannot use is
+refused with nothing held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -140,3 +142,57 @@ def test_handoff_through_a_kv_transport(model_dir: Path) -> None:
     )
     assert run_to_end(d_eng)["r"] == expected
     d_eng.block_pool.check_no_leaks()
+
+
+def test_first_token_logprobs_come_with_the_handoff(model_dir: Path) -> None:
+    """The prefill engine's export carries the first token's logprobs (its sampler's);
+    the decode engine reports them first, so every token has one, equal to colocated's.
+    A request that wants logprobs but arrives without them is refused, holding nothing."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompt = prompts()[3]
+    colocated = engine(model_dir)
+    colocated.add_request("r", prompt, params)
+    ref = None
+    while colocated.has_unfinished:
+        for out in colocated.step():
+            ref = out
+    assert ref is not None and ref.logprobs is not None
+
+    p_eng, d_eng = engine(model_dir), engine(model_dir)
+    p_eng.add_request("r", prompt, first_params, hold_kv=True)
+    run_to_end(p_eng)
+    export = p_eng.export_kv("r")
+    p_eng.release_kv("r")
+    assert export.first_logprobs is not None
+    assert export.first_logprobs == ref.logprobs[0]  # same sampler, same logits
+    for lacking in (None, dataclasses.replace(export.first_logprobs, top=())):
+        with pytest.raises(KVImportError, match="logprobs"):
+            d_eng.add_prefilled_request(
+                "r", prompt, export.first_token, params, export.payload, first_logprobs=lacking
+            )
+    assert not d_eng.has_unfinished
+    d_eng.block_pool.check_no_leaks()
+
+    first = d_eng.add_prefilled_request(
+        "r",
+        prompt,
+        export.first_token,
+        params,
+        export.payload,
+        first_logprobs=export.first_logprobs,
+    )
+    assert first.logprobs == [export.first_logprobs]
+    outs = [first]
+    while d_eng.has_unfinished:
+        outs += d_eng.step()
+    for out in outs:  # what a stream sends: one logprob per token so far
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    got = outs[-1].logprobs
+    assert got is not None and outs[-1].token_ids == ref.token_ids
+    for a, b in zip(got, ref.logprobs, strict=True):
+        assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+    d_eng.block_pool.check_no_leaks()
+    p_eng.block_pool.check_no_leaks()

@@ -15,6 +15,7 @@ import pytest
 from pdserve.kv_transfer.base import KVLayout, TransferHeader, make_header
 from pdserve.kv_transfer.errors import (
     ChecksumMismatchError,
+    KVMismatchError,
     LayoutMismatchError,
     LeaseExpiredError,
     PeerUnavailableError,
@@ -162,6 +163,91 @@ def test_layout_mismatch_is_refused(transport: Any) -> None:
     assert buffered == 0
 
 
+# The expected prompt's hash chain: 6 full blocks (any 32-byte values do for a transport).
+CHAIN = tuple(bytes([i]) * 32 for i in range(1, 7))
+
+
+@pytest.mark.parametrize("case", ["right", "model", "hash", "one_hash_short"])
+def test_model_id_and_block_hashes_are_checked_against_the_expectation(
+    transport: Any, case: str
+) -> None:
+    """The receiver takes only the expected model's KV of the expected prompt: the
+    header's model id, and its hashes of blocks first_block_index.. against the
+    expected chain's. A mismatch is refused on both sides at once (the decode worker
+    prefills locally); the right ones arrive with the first token's logprobs."""
+    layout = transport.layout()
+    payload = random_payload(layout, 4)  # blocks 3..6 of the prompt: 5 full, 1 partial
+    hashes = CHAIN[3:]
+    model_id = "other-model" if case == "model" else "the-model"
+    if case == "hash":
+        hashes = (CHAIN[3], b"\xff" * 32, CHAIN[5])
+    if case == "one_hash_short":
+        hashes = CHAIN[3:5]
+    top = ((7, -0.25), (42, -1.5))  # float32-exact: the wire carries float32
+
+    async def body() -> None:
+        receiver = transport.make_receiver(transport.config(layout))
+        sender = transport.make_sender()
+        address = await receiver.start()
+        try:
+            receiver.expect("req", model_id="the-model", block_hashes=CHAIN)
+            header = make_header(
+                *("req", model_id, layout, payload, transport.token),
+                block_hashes=hashes,
+                first_block_index=3,
+                first_token=7,
+                first_token_logprob=-0.25,
+                first_token_top_logprobs=top,
+            )
+            if case == "right":
+                await sender.send(address, header, payload, timeout_s=30)
+                got = await receiver.claim("req", timeout_s=30)
+                assert np.array_equal(got.payload, payload)
+                assert got.header.block_hashes == CHAIN[3:]
+                assert got.header.first_token_logprob == -0.25
+                assert got.header.first_token_top_logprobs == top
+                got.release()
+            else:
+                with pytest.raises(KVMismatchError):
+                    await sender.send(address, header, payload, timeout_s=30)
+                assert receiver.core.num_buffered_bytes == 0
+                with pytest.raises(KVMismatchError):  # at once: the right KV will not come
+                    await receiver.claim("req", timeout_s=5)
+            assert receiver.num_pending == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    transport.run(body())
+
+
+def test_logprobs_are_absent_unless_sent(transport: Any) -> None:
+    """A header without logprobs says so (None), distinct from a logprob of 0.0."""
+    layout = transport.layout()
+    payload = random_payload(layout, 1)
+
+    async def body() -> None:
+        receiver = transport.make_receiver(transport.config(layout))
+        sender = transport.make_sender()
+        address = await receiver.start()
+        try:
+            for rid, logprob in (("absent", None), ("certain", 0.0)):
+                receiver.expect(rid)
+                header = make_header(
+                    rid, "m", layout, payload, transport.token, first_token_logprob=logprob
+                )
+                await sender.send(address, header, payload, timeout_s=30)
+                got = await receiver.claim(rid, timeout_s=30)
+                assert got.header.first_token_logprob == logprob
+                assert got.header.first_token_top_logprobs == ()
+                got.release()
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    transport.run(body())
+
+
 def test_unknown_request_is_refused(transport: Any) -> None:
     sent, _, buffered = transport.run(_refused(transport, expect=False))
     assert isinstance(sent, UnknownRequestError)
@@ -294,7 +380,7 @@ def test_sender_killed_mid_stream_frees_the_partial_transfer(socket_transport: A
     transport.run(body())
 
 
-@pytest.mark.parametrize("refusal", ["token", "layout", "unknown"])
+@pytest.mark.parametrize("refusal", ["token", "layout", "unknown", "kv_mismatch"])
 def test_a_refused_push_leaves_the_sender_able_to_push_again(transport: Any, refusal: str) -> None:
     """A refused push (of several chunks' worth) must not leave stale bytes behind: the
     same sender's next push to the same receiver lands whole. (A backend that sends the
@@ -310,9 +396,14 @@ def test_a_refused_push_leaves_the_sender_able_to_push_again(transport: Any, ref
         address = await receiver.start()
         try:
             token = "not-the-token" if refusal == "token" else transport.token
+            if refusal == "kv_mismatch":
+                receiver.expect("refused", model_id="another-model")
             header = make_header("refused", "m", wrong, refused_payload, token)
             with pytest.raises(TransferError):
                 await sender.send(address, header, refused_payload, timeout_s=30)
+            if refusal == "kv_mismatch":  # the expectation failed with the push
+                with pytest.raises(KVMismatchError):
+                    await receiver.claim("refused", timeout_s=5)
             receiver.expect("req")
             header = make_header("req", "m", layout, payload, transport.token)
             await sender.send(address, header, payload, timeout_s=30)
