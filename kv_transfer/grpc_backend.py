@@ -18,10 +18,10 @@ copies bound the throughput (~2.2 GB/s on a 2-core host, against ~5 for raw TCP)
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -42,17 +42,24 @@ from pdserve.kv_transfer.base import (
 from pdserve.kv_transfer.errors import (
     BadHeaderError,
     PeerUnavailableError,
+    TLSHandshakeError,
     TransferError,
     TransferTimeoutError,
     TruncatedError,
     ack_for,
     error_from_ack,
 )
+from pdserve.kv_transfer.tls import TLSConfig
 from pdserve.protos import kv_transfer_pb2 as pb
+
+__all__ = ["GrpcReceiver", "GrpcSender", "TLSConfig"]
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 _PUSH = f"/{_SERVICE}/Push"
 _PUSH_STREAM = f"/{_SERVICE}/PushStream"
+# how grpcio's details name a failed TLS handshake (a certificate the CA did not sign,
+# a wrong name, a missing client certificate); a plaintext peer only shows "Socket closed"
+_TLS_FAILURE = re.compile(r"handshake|SSL_ERROR|CERTIFICATE_VERIFY", re.IGNORECASE)
 MAX_IDLE_STREAMS = 4  # idle PushStream calls a sender keeps per receiver
 # acks after which the receiver ends a PushStream call (it cannot tell where the next
 # push starts); after any other, the call carries the next push
@@ -74,36 +81,6 @@ _CLIENT_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 200),  # a restarted decode worker is back soon
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-
-
-@dataclass(frozen=True)
-class TLSConfig:
-    """PEM files. The server presents cert/key; the client trusts `ca_file` and presents
-    cert/key as its own (the server checks it only with `require_client_auth`)."""
-
-    cert_file: str
-    key_file: str
-    ca_file: str
-    require_client_auth: bool = False
-    server_name: str | None = None  # the name the server cert holds, if not the host
-
-    def server_credentials(self) -> Any:
-        return grpc.ssl_server_credentials(
-            [(_read(self.key_file), _read(self.cert_file))],
-            root_certificates=_read(self.ca_file),
-            require_client_auth=self.require_client_auth,
-        )
-
-    def channel_credentials(self) -> Any:
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca_file),
-            private_key=_read(self.key_file),
-            certificate_chain=_read(self.cert_file),
-        )
-
-
-def _read(path: str) -> bytes:
-    return Path(path).read_bytes()
 
 
 class GrpcReceiver(KVReceiver):
@@ -430,6 +407,8 @@ def _messages(header: TransferHeader, data: memoryview, chunk_bytes: int) -> Ite
 
 def _typed(exc: grpc.aio.AioRpcError, address: str) -> TransferError:
     code, detail = exc.code(), f"push to {address}: {exc.code().name} {exc.details()}"
+    if _TLS_FAILURE.search(exc.details() or ""):
+        return TLSHandshakeError(detail)
     if code == grpc.StatusCode.UNAVAILABLE:
         return PeerUnavailableError(detail)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -64,11 +64,14 @@ Pipelining. The receiver hashes each chunk (`BlockHasher`) as soon as it is in, 
 the next one arrives, so verification costs one chunk's hash after the last byte
 instead of the whole payload's.
 
-NOTE: `ucxx`'s Python listener cannot choose its bind address (the C++ builder can, the
-binding does not expose it): it listens on every interface, whatever
-`ReceiverConfig.host` says. `host` is only the address `start` advertises. Every
-transfer still needs the cluster token before its payload is kept; keep the port
-firewalled to the cluster.
+Bind address. The receiver's listener binds `ReceiverConfig.host` only (0.0.0.0 for
+every interface). `ucxx`'s Python listener cannot choose its address (the C++ builder
+can, the binding does not expose it), so `ucx_listener` creates it below that API. UCX's
+TCP transport also opens a listening socket per network device it uses, on that
+device's address and a random port, for its own connection set-up; `UCX_NET_DEVICES`
+(e.g. `lo` or `eth0`) limits those to the devices named. Every transfer still needs the
+cluster token before its payload is kept, and UCX has no TLS: keep the ports firewalled
+to the cluster.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import logging
 import os
 import struct
 import threading
@@ -108,9 +112,11 @@ from pdserve.kv_transfer.errors import (
     ack_for,
     error_from_ack,
 )
+from pdserve.kv_transfer.ucx_listener import create_listener
 from pdserve.protos import kv_transfer_pb2 as pb
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 UCX_ENV_DEFAULTS = {
     "UCX_TLS": "tcp,sm,self",
@@ -250,8 +256,10 @@ class _Endpoint:
 
     def close(self) -> None:
         """Close the endpoint at once; its requests end (cancelled) on the next progress."""
-        with contextlib.suppress(Exception):  # already broken: nothing more to free
+        try:
             self.ep.abort()
+        except Exception as exc:  # already broken: nothing more to free
+            logger.debug("UCX endpoint abort: %r", exc)
         self._progress.kick()
 
     async def abort(self, timeout_s: float = CLOSE_WAIT_S) -> bool:
@@ -318,7 +326,7 @@ class _UcxRuntime:
         application_context.ProgressTasks[loop] = self.progress
 
     def _shutdown(self) -> None:
-        with contextlib.suppress(Exception):  # best effort at exit
+        with contextlib.suppress(RuntimeError):  # the loop is closed already
             self.loop.call_soon_threadsafe(self.loop.stop)
 
     @classmethod
@@ -392,6 +400,7 @@ class UcxReceiver(KVReceiver):
         self._runtime: _UcxRuntime | None = None
         self._core_loop: asyncio.AbstractEventLoop | None = None
         self._listener: Any = None
+        self._conn_handler: Any = None  # kept alive while the listener may call it
         self._endpoints: set[_Endpoint] = set()  # touched on the UCX loop only
         self._handlers: set[asyncio.Task[None]] = set()
         self.address: str | None = None
@@ -404,8 +413,11 @@ class UcxReceiver(KVReceiver):
         return self.address
 
     async def _listen(self) -> int:
-        assert self._runtime is not None
-        self._listener = self._runtime.ucxx.create_listener(self._serve, port=self.core.config.port)
+        from ucxx.core import _get_ctx
+
+        self._listener, self._conn_handler = create_listener(
+            _get_ctx(), self._serve, self.core.config.host, self.core.config.port
+        )
         return int(self._listener.port)
 
     async def close(self) -> None:
@@ -419,6 +431,7 @@ class UcxReceiver(KVReceiver):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+            self._conn_handler = None  # UCX no longer calls it: the listener is gone
         for ep in list(self._endpoints):
             ep.close()  # pending receives end with an error: handlers free their data
         if self._handlers:
@@ -438,8 +451,8 @@ class UcxReceiver(KVReceiver):
         try:
             while await self._serve_one(ep):
                 pass
-        except Exception:  # a broken connection ends only itself
-            pass
+        except Exception as exc:  # a broken connection ends only itself
+            logger.warning("UCX connection broke (a transfer on it failed): %r", exc)
         finally:
             self._endpoints.discard(ep)
             self._handlers.discard(task)
@@ -449,7 +462,8 @@ class UcxReceiver(KVReceiver):
         """One transfer; False when the connection should end."""
         try:
             raw = await _recv_control(ep)
-        except Exception:  # the sender hung up between transfers, or is out of step
+        except Exception as exc:  # the sender hung up between transfers, or is out of step
+            logger.debug("UCX connection ends: %r", exc)
             return False
         try:
             try:
@@ -490,8 +504,10 @@ class UcxReceiver(KVReceiver):
             why = "no whole payload within the lease" if isinstance(exc, TimeoutError) else exc
             error = TruncatedError(f"stream of {request_id!r} broke: {why!r}")
             clean = await self._abandon(ep, recvs)
-            with contextlib.suppress(Exception):  # core's loop gone: it freed everything
+            try:
                 await self._core(self.core.fail, request_id, error, clean)
+            except Exception as fail_exc:  # core's loop gone: it freed everything
+                logger.debug("UCX: receiver gone while failing %r: %r", request_id, fail_exc)
             raise
         try:
             await self._core(self.core.finish, request_id, int(buffer.size), hasher.checksums())
@@ -523,7 +539,8 @@ class UcxReceiver(KVReceiver):
             async with asyncio.timeout(self._lease_s(header)):
                 for a, b in chunks:  # UCX holds what arrives before its receive is posted
                     await ep.recv(scratch[: (b - a) * row_bytes])
-        except Exception:
+        except Exception as exc:
+            logger.warning("UCX: refused payload of %r did not arrive: %r", header.request_id, exc)
             await ep.abort()
             return False
         return True
@@ -542,7 +559,8 @@ class UcxReceiver(KVReceiver):
             async with asyncio.timeout(self._lease_s(header)):
                 for recv in recvs:
                     await recv
-        except Exception:
+        except Exception as exc:
+            logger.warning("UCX: refused payload of %r did not arrive: %r", header.request_id, exc)
             if await self._abandon(ep, recvs):
                 self.core.pool.give(buffer)
             return False

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import datetime
-import ipaddress
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+import trustme
 
 from pdserve.kv_transfer import grpc_codec
 from pdserve.kv_transfer.base import KVLayout, ReceiverConfig, make_header
-from pdserve.kv_transfer.errors import UnauthorizedError
+from pdserve.kv_transfer.errors import (
+    PeerUnavailableError,
+    TLSHandshakeError,
+    UnauthorizedError,
+)
 from pdserve.kv_transfer.grpc_backend import GrpcReceiver, GrpcSender, TLSConfig
 from pdserve.protos import kv_transfer_pb2 as pb
 
@@ -26,51 +27,92 @@ TOKEN = "grpc-test-token"
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
 
 
+@dataclasses.dataclass(frozen=True)
+class PKI:
+    """The cluster's CA with a certificate for 127.0.0.1, and an unrelated CA with one."""
+
+    tls: TLSConfig  # cluster cert/key, trusting the cluster CA
+    foreign: TLSConfig  # a cert/key of the other CA, trusting the other CA
+    foreign_cert_trusting_ours: TLSConfig  # the other CA's cert/key, trusting ours
+
+
+def _write(ca: trustme.CA, folder: Path, name: str) -> tuple[str, str, str]:
+    cert = ca.issue_cert("127.0.0.1", "localhost")  # an IP SAN and a DNS SAN
+    paths = [folder / f"{name}-{what}.pem" for what in ("cert", "key", "ca")]
+    cert.cert_chain_pems[0].write_to_path(str(paths[0]))
+    cert.private_key_pem.write_to_path(str(paths[1]))
+    ca.cert_pem.write_to_path(str(paths[2]))
+    return str(paths[0]), str(paths[1]), str(paths[2])
+
+
 @pytest.fixture(scope="module")
-def tls(tmp_path_factory: pytest.TempPathFactory) -> TLSConfig:
-    """A self-signed cert for 127.0.0.1 and localhost; it is its own CA."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName(san), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    folder = tmp_path_factory.mktemp("tls")
+    ours = _write(trustme.CA(), folder, "ours")
+    theirs = _write(trustme.CA(), folder, "theirs")
+    return PKI(
+        TLSConfig(*ours),
+        TLSConfig(*theirs),
+        TLSConfig(theirs[0], theirs[1], ours[2]),
     )
-    folder: Path = tmp_path_factory.mktemp("tls")
-    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return TLSConfig(str(cert_file), str(key_file), ca_file=str(cert_file))
 
 
-async def _push_over_tls(tls: TLSConfig, token: str) -> np.ndarray:
-    """Push 3 MiB over TLS with `token`; return what the receiver claimed."""
+@pytest.fixture(scope="module")
+def tls(pki: PKI) -> TLSConfig:
+    return pki.tls
+
+
+class Tap:
+    """A TCP relay to `target` that records every byte in both directions."""
+
+    def __init__(self, target: str) -> None:
+        self.host, _, port = target.rpartition(":")
+        self.port = int(port)
+        self.seen = bytearray()
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await src.read(1 << 16):
+                self.seen += data
+                dst.write(data)
+                await dst.drain()
+        dst.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        try:
+            yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        finally:
+            server.close()
+
+
+async def _push(
+    receiver_tls: TLSConfig | None, sender_tls: TLSConfig | None, token: str = TOKEN
+) -> tuple[bytes, int]:
+    """Push 3 MiB through a Tap; return the bytes the wire carried and what the receiver
+    buffered. Raises the sender's error after checking that nothing was received."""
     payload = np.random.default_rng(1).integers(0, 256, 96 * LAYOUT.block_bytes, dtype=np.uint8)
-    receiver = GrpcReceiver(ReceiverConfig(cluster_token=TOKEN, layout=LAYOUT), tls=tls)
-    sender = GrpcSender(tls=tls, chunk_bytes=1 << 20)
-    address = await receiver.start()
+    receiver = GrpcReceiver(ReceiverConfig(cluster_token=TOKEN, layout=LAYOUT), tls=receiver_tls)
+    sender = GrpcSender(tls=sender_tls, chunk_bytes=1 << 20)
+    tap = Tap(await receiver.start())
     try:
-        receiver.expect("req")
-        header = make_header("req", "m", LAYOUT, payload, token)
-        await sender.send(address, header, payload, timeout_s=30)
-        got = await receiver.claim("req", timeout_s=30)
-        assert np.array_equal(got.payload, payload)
-        return got.payload
+        async with tap.running() as address:
+            receiver.expect("req")
+            header = make_header("req", "m", LAYOUT, payload, token)
+            try:
+                await sender.send(address, header, payload, timeout_s=30)
+            except Exception:
+                assert receiver.core.num_buffered_bytes == 0, "a refused push left bytes"
+                raise
+            got = await receiver.claim("req", timeout_s=30)
+            assert np.array_equal(got.payload, payload)
+            got.release()
+            return bytes(tap.seen), int(payload.nbytes)
     finally:
         receiver.cancel("req")
         assert receiver.num_pending == 0
@@ -78,13 +120,67 @@ async def _push_over_tls(tls: TLSConfig, token: str) -> np.ndarray:
         await receiver.close()
 
 
-def test_tls_round_trip(tls: TLSConfig) -> None:
-    asyncio.run(asyncio.wait_for(_push_over_tls(tls, TOKEN), 60))
+def _run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["server-auth", "mutual"])
+def test_tls_round_trip_carries_no_plaintext(pki: PKI, mutual: bool) -> None:
+    """Over TLS the push lands whole, and neither the cluster token nor the payload's
+    bytes appear on the wire."""
+    server = dataclasses.replace(pki.tls, require_client_auth=mutual)
+    wire, num_bytes = _run(_push(server, pki.tls))
+    assert len(wire) > num_bytes  # all of it went through the tap
+    assert TOKEN.encode() not in wire
+    plain = np.random.default_rng(1).integers(0, 256, 96 * LAYOUT.block_bytes, dtype=np.uint8)
+    assert plain[:64].tobytes() not in wire
+
+
+def test_a_plaintext_sender_is_refused(pki: PKI) -> None:
+    with pytest.raises(PeerUnavailableError):
+        _run(_push(pki.tls, None))
+
+
+def test_a_sender_trusting_another_ca_is_refused(pki: PKI) -> None:
+    with pytest.raises(TLSHandshakeError):
+        _run(_push(pki.tls, pki.foreign))
+
+
+def test_mutual_tls_refuses_a_client_certificate_of_another_ca(pki: PKI) -> None:
+    server = dataclasses.replace(pki.tls, require_client_auth=True)
+    with pytest.raises(PeerUnavailableError):
+        _run(_push(server, pki.foreign_cert_trusting_ours))
+
+
+def test_a_tls_sender_never_falls_back_to_plaintext(pki: PKI) -> None:
+    """A receiver without TLS (or anything else on its port) gets a handshake, never a
+    header: the token does not cross the wire."""
+
+    async def body() -> bytes:
+        receiver = GrpcReceiver(ReceiverConfig(cluster_token=TOKEN, layout=LAYOUT))
+        sender = GrpcSender(tls=pki.tls)
+        tap = Tap(await receiver.start())
+        payload = np.zeros(LAYOUT.block_bytes, np.uint8)
+        try:
+            async with tap.running() as address:
+                receiver.expect("req")
+                header = make_header("req", "m", LAYOUT, payload, TOKEN)
+                with pytest.raises(TLSHandshakeError):
+                    await sender.send(address, header, payload, timeout_s=10)
+                assert receiver.core.num_buffered_bytes == 0
+                return bytes(tap.seen)
+        finally:
+            receiver.cancel("req")
+            await sender.close()
+            await receiver.close()
+
+    wire = _run(body())
+    assert wire and TOKEN.encode() not in wire
 
 
 def test_tls_with_wrong_token_is_refused(tls: TLSConfig) -> None:
     with pytest.raises(UnauthorizedError):
-        asyncio.run(asyncio.wait_for(_push_over_tls(tls, "not-the-token"), 60))
+        _run(_push(tls, tls, "not-the-token"))
 
 
 @pytest.mark.parametrize("offset", [0, 1, 300, 1 << 40])

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import resource
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pdserve.kv_transfer.base import KVLayout, ReceiverConfig, make_header
 from pdserve.kv_transfer.ucx_backend import CONTROL_BYTES, UcxReceiver, UcxSender
@@ -73,3 +76,44 @@ def test_a_header_larger_than_one_control_message_arrives_whole() -> None:
             got.release()
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses of the IPv4/IPv6 TCP sockets listening on `port` (from the
+    kernel's socket tables, as `ss -ltn` reads them)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, port_hex = local.split(":")
+                if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                    raw = bytes.fromhex(address)
+                    if len(raw) == 4:
+                        found.add(str(ipaddress.IPv4Address(raw[::-1])))
+                    else:  # four little-endian 32-bit words
+                        words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                        found.add(str(ipaddress.IPv6Address(words)))
+    return found
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
+def test_the_listener_binds_the_configured_address_only(host: str) -> None:
+    """The receiver listens on `ReceiverConfig.host`, not on every interface (ucxx's own
+    `create_listener` binds 0.0.0.0). 127.0.0.2 is a loopback address no other receiver
+    uses, so a listener on all interfaces would show up as 0.0.0.0 there."""
+
+    async def body() -> tuple[str, int, str]:
+        receiver = UcxReceiver(ReceiverConfig(cluster_token=TOKEN, layout=LAYOUT, host=host))
+        address = await receiver.start()
+        try:
+            port = int(address.rpartition(":")[2])
+            return address, port, str(receiver._listener.ip)
+        finally:
+            sockets = _listening(int(address.rpartition(":")[2]))
+            await receiver.close()
+            assert sockets == {host}, sockets
+
+    address, port, bound_ip = asyncio.run(asyncio.wait_for(body(), 60))
+    assert address == f"{host}:{port}" and bound_ip == host
+    assert _listening(port) == set()  # closed with the receiver
