@@ -8,6 +8,7 @@ cluster through what an operator sees: `/metrics`, `/workers` and `/health`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -28,6 +29,9 @@ MAX_TOKENS = 8
 BLOCK_SIZE = 8
 LEASE_S = 3.0
 CLUSTERS = {
+    # First: its answers are the reference of the disaggregated clusters' logprobs.
+    # API keys on (every client of this module sends API_KEY).
+    "colocated": ("--mode", "colocated", "--api-keys-file", "{keys}"),
     # Pinned pools: prefill on the first CPU, decode on the last (the same one on 1 CPU).
     "disagg-grpc": (
         *("--mode", "disagg", "--transport", "grpc"),
@@ -39,8 +43,6 @@ CLUSTERS = {
         *("--mode", "disagg", "--transport", "ucx"),
         *("--max-inflight-requests", "40", "--max-body-bytes", "65536"),
     ),
-    # API keys on (every client of this module sends API_KEY).
-    "colocated": ("--mode", "colocated", "--api-keys-file", "{keys}"),
 }
 API_KEY = "sk-test-0123456789"
 COMMON = (
@@ -218,6 +220,139 @@ def test_32_concurrent_streams_then_nothing_held(
 
     assert asyncio.run(run()) == want, name
     assert_workers_idle(url)
+
+
+LOGPROBS = 2
+# (prompt ids, token ids, each token's logprob, each token's top LOGPROBS logprobs; the
+# top is [] where the API keys it by text: completions' dicts merge alternatives that
+# decode to the same text, as OpenAI's format does)
+Answer = tuple[list[int], list[int], list[float], list[list[float]]]
+# The colocated cluster's answers, by (API, question index): the reference of the
+# disaggregated clusters (filled when it runs first, as CLUSTERS orders it).
+_colocated_answers: dict[tuple[str, int], Answer] = {}
+PROMPTS = make_prompts(seed=5, n=4, prefix_blocks=2)
+CHAT_QUESTIONS = ("Name a river.", "What is bread?")
+
+
+def _completion_answer(c: openai.OpenAI, model: str, prompt: list[int]) -> Answer:
+    """A greedy completion with `logprobs`: one logprob per generated token, streamed
+    (in every chunk, the first one's too) and not, the same values both ways."""
+    out = greedy(c, model, prompt, logprobs=LOGPROBS)
+    ids = out.choices[0].model_extra["token_ids"]
+    lps = out.choices[0].logprobs
+    assert lps is not None and len(ids) == MAX_TOKENS
+    assert len(lps.token_logprobs) == len(lps.top_logprobs) == len(lps.tokens) == MAX_TOKENS
+    assert all(1 <= len(top) <= LOGPROBS for top in lps.top_logprobs), lps.top_logprobs
+    streamed: list[float] = []
+    for chunk in greedy(c, model, prompt, logprobs=LOGPROBS, stream=True):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        got = choice.logprobs.token_logprobs if choice.logprobs is not None else []
+        assert len(got) == len(choice.model_extra["token_ids"]), choice
+        streamed += got
+    assert streamed == pytest.approx(lps.token_logprobs, abs=1e-5)
+    return prompt, ids, list(lps.token_logprobs), []
+
+
+def _chat_answer(c: openai.OpenAI, model: str, question: str) -> Answer:
+    """A greedy chat answer with `top_logprobs`: one entry and LOGPROBS alternatives
+    per generated token, streamed and not."""
+    args: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": LOGPROBS,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
+    out = c.chat.completions.create(**args)
+    ids = out.choices[0].model_extra["token_ids"]
+    content = out.choices[0].logprobs.content if out.choices[0].logprobs else None
+    assert content is not None and len(content) == len(ids) == MAX_TOKENS
+    assert all(len(entry.top_logprobs) == LOGPROBS for entry in content)
+    streamed = []
+    for chunk in c.chat.completions.create(**args, stream=True):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        entries = (choice.logprobs.content or []) if choice.logprobs is not None else []
+        assert len(entries) == len(choice.model_extra.get("token_ids") or []), choice
+        assert all(len(entry.top_logprobs) == LOGPROBS for entry in entries)
+        streamed += [entry.logprob for entry in entries]
+    chosen = [entry.logprob for entry in content]
+    assert streamed == pytest.approx(chosen, abs=1e-5)
+    tops = [[alt.logprob for alt in entry.top_logprobs] for entry in content]
+    return out.model_extra["prompt_token_ids"], ids, chosen, tops
+
+
+@functools.cache
+def _offline_llm(model_dir: Path) -> Any:
+    from pdserve.engine import LLM
+
+    return LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE)
+
+
+def _offline_answer(model_dir: Path, prompt: list[int]) -> Answer:
+    """The offline engine's answer: the reference when the colocated cluster did not run
+    in this session (e.g. `-k "logprob and disagg"`)."""
+    from pdserve.engine import SamplingParams
+
+    llm = _offline_llm(model_dir)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    (out,) = llm.generate([prompt], params)
+    assert out.logprobs is not None
+    tops = [[v for _, v in lp.top] for lp in out.logprobs]
+    return prompt, out.token_ids, [lp.logprob for lp in out.logprobs], tops
+
+
+def test_logprobs_one_per_token_equal_colocated_and_transformers(
+    cluster: tuple[str, str], model_dir: Path
+) -> None:
+    """Every generated token has its logprob (and LOGPROBS alternatives), streamed or not:
+    disaggregated, the first token's come from the prefill worker with its KV. They equal
+    the colocated cluster's (float32) and `transformers`' log-softmax."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    name, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    blocks0, local0 = metric(url, "pdserve_kv_transfer_blocks_total"), _local_prefills(url)
+    answers = {
+        **{("completions", i): _completion_answer(c, model, p) for i, p in enumerate(PROMPTS)},
+        **{("chat", i): _chat_answer(c, model, q) for i, q in enumerate(CHAT_QUESTIONS)},
+    }
+    if name == "colocated":
+        _colocated_answers.update(answers)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for key, (prompt, ids, chosen, tops) in answers.items():
+        ref = _colocated_answers.get(key) or _offline_answer(model_dir, prompt)
+        assert (ref[0], ref[1]) == (prompt, ids), (name, key)
+        assert chosen == pytest.approx(ref[2], abs=1e-5), (name, key)
+        for top, ref_top in zip(tops, ref[3], strict=False):  # [] for completions
+            assert top == pytest.approx(ref_top, abs=1e-5), (name, key)
+        with torch.inference_mode():  # position i's logits predict token i + 1
+            logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        want = logits.float().log_softmax(dim=-1)
+        want_chosen = want.gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1).tolist()
+        assert chosen == pytest.approx(want_chosen, abs=1e-4), (name, key)
+        for top, want_top in zip(tops, want.topk(LOGPROBS).values.tolist(), strict=False):
+            assert top == pytest.approx(want_top, abs=1e-4), (name, key)
+    if name.startswith("disagg"):  # the split happened: KV crossed, no local prefill
+        assert metric(url, "pdserve_kv_transfer_blocks_total") > blocks0
+        assert _local_prefills(url) == local0
+    assert_workers_idle(url)
+
+
+def _local_prefills(url: str) -> float:
+    """Local prefills of expected KV on decode workers, over every reason label."""
+    return sum(
+        value
+        for (name, _), value in scrape_metrics(url).items()
+        if name.startswith("pdserve_decode_local_prefill") and name.endswith("_total")
+    )
 
 
 # Checked once, on the disaggregated gRPC cluster (the same module-scoped instance).
