@@ -2,18 +2,30 @@
 
 `pdserve up` builds it from its flags; a Ray Serve config file passes the same fields as
 the application's arguments (`deploy/app.py`). Plain Python: no torch.
+
+Validation has two steps. Constructing a `ClusterConfig` checks what needs nothing but
+the values (ranges, the engine's own rules such as a power-of-two block size, TLS only
+with gRPC). `preflight()` checks what needs the machine: the model folder, the lengths
+and KV pool it allows, the TLS files, Redis. `pdserve up` and the Serve app builder run
+both before any replica starts, so a bad configuration fails in seconds with the field's
+name instead of replicas crash-looping until a ready timeout.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import secrets
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_config import load_model_config
+from pdserve.engine.errors import EngineError
+from pdserve.engine.model_config import ModelConfig, load_model_config
+from pdserve.kv_transfer.tls import TLSConfig
 
 Mode = Literal["disagg", "colocated"]
 Transport = Literal["grpc", "ucx"]
@@ -30,6 +42,70 @@ def parse_cpu_set(text: str) -> set[int]:
             raise ValueError(f"bad CPU range {part!r} in {text!r}")
         cpus.update(range(lo, hi + 1))
     return cpus
+
+
+class ConfigError(ValueError):
+    """A configuration a cluster cannot start with; the message starts with the field."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field = field
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by `***`: safe to print or log."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# Fields that may name environment variables (`${NAME}`) in a Serve config, so that a
+# secret comes from a Kubernetes Secret instead of the RayService spec.
+SECRET_FIELDS = ("redis_url", "cluster_token")
+
+
+def expand_env(field: str, text: str) -> str:
+    """Replace each `${NAME}` in `text` by the environment variable NAME (which must be set)."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise ConfigError(field, f"names the environment variable {name}, which is not set")
+        return os.environ[name]
+
+    return _ENV_REF.sub(value, text)
+
+
+class KVTLS(BaseModel):
+    """TLS for KV pushes (gRPC only). The PEM files must exist at these paths on every
+    node: decode replicas present cert/key, prefill replicas trust `ca_file` and, with
+    `mutual`, present cert/key too, which the decode side then requires."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    mutual: bool = False
+    # The name the decode replicas' certificate holds, when it is not the address they
+    # announce (with transfer_host "auto" each pod announces its own IP).
+    server_name: str | None = None
+
+    def transport(self) -> TLSConfig:
+        return TLSConfig(
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+            ca_file=self.ca_file,
+            require_client_auth=self.mutual,
+            server_name=self.server_name,
+        )
 
 
 class PlacementWeights(BaseModel):
@@ -101,11 +177,15 @@ class ClusterConfig(BaseModel):
     decode_cpus: str | None = None
     replica_num_gpus: float = Field(default=0.0, ge=0)
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    # redis://[:PASSWORD@]HOST:PORT/DB (a password is never printed; see redact_url).
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)
     # Address the KV receivers bind and announce: "auto" is each decode node's own
     # address as Ray knows it (multi-node clusters); never all interfaces by default.
     transfer_host: str = "127.0.0.1"
     cluster_token: str = Field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    # TLS on the KV pushes (gRPC transport); None: plaintext, for one trusted host or a
+    # private network (the cluster token still authenticates each push).
+    kv_tls: KVTLS | None = None
 
     # Engine (both roles).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -143,7 +223,42 @@ class ClusterConfig(BaseModel):
             raise ValueError("disagg mode needs at least one prefill replica")
         if self.heartbeat_s >= self.worker_lease_s:
             raise ValueError("heartbeat_s must be shorter than worker_lease_s")
+        if self.kv_tls is not None and self.transport != "grpc":
+            raise ConfigError(
+                "kv_tls",
+                f"the {self.transport} transport has no TLS (UCX does not encrypt); "
+                "use transport 'grpc' for encrypted KV transfers, or drop kv_tls",
+            )
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError("device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        scheme = urlsplit(self.redis_url).scheme
+        if self.redis_url and scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError("redis_url", "must be a redis://, rediss:// or unix:// URL")
+        try:
+            self.engine_config()  # the engine's own rules (block_size a power of two, ...)
+        except ValidationError as exc:
+            why = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+            named = [f for f in ClusterConfig.model_fields if re.search(rf"\b{f}\b", why)]
+            raise ConfigError(named[0] if named else "engine", why) from None
         return self
+
+    @classmethod
+    def from_serve_args(cls, args: dict[str, Any]) -> ClusterConfig:
+        """The configuration a Serve config's `args` describe.
+
+        `${NAME}` in `redis_url` and `cluster_token` is replaced by the environment
+        variable NAME, and keys in `$PDSERVE_API_KEYS` (comma-separated, as for `pdserve
+        up`) are added to `api_keys`: on Kubernetes both come from Secrets, so neither
+        the Redis password, the token nor an API key is written in the RayService spec.
+        """
+        args = dict(args)
+        for name in SECRET_FIELDS:
+            if isinstance(args.get(name), str):
+                args[name] = expand_env(name, args[name])
+        env_keys = [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",")]
+        if any(env_keys):
+            args["api_keys"] = [*args.get("api_keys", []), *(k for k in env_keys if k)]
+        return cls.model_validate(args)
 
     @property
     def model_id(self) -> str:
@@ -159,6 +274,45 @@ class ClusterConfig(BaseModel):
             max_len = min(max_len, mc.sliding_window)
         return self.model_copy(update={"max_model_len": max_len})
 
+    def preflight(self, check_redis: bool = False, redis_timeout_s: float = 3.0) -> ClusterConfig:
+        """Check what a replica would find wrong only at start; return `resolved()`.
+
+        The model folder (config.json, architecture, tokenizer), `max_model_len` against
+        the model's and against the KV pool, the TLS files, and with `check_redis` that
+        `redis_url` answers a PING (with its password) within `redis_timeout_s`.
+
+        Raises:
+            ConfigError: naming the field at fault.
+        """
+        try:
+            mc = load_model_config(Path(self.model))
+            from pdserve.engine.tokenizer import Tokenizer
+
+            Tokenizer(Path(self.model))
+        except EngineError as exc:
+            raise ConfigError("model", str(exc)) from None
+        limit = mc.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > limit:
+            raise ConfigError(
+                "max_model_len",
+                f"{self.max_model_len} exceeds the model's max_position_embeddings ({limit})",
+            )
+        cfg = self.resolved()
+        assert cfg.max_model_len is not None
+        _check_kv_pool(cfg, mc)
+        if self.kv_tls is not None:
+            try:
+                self.kv_tls.transport().check()
+            except ValueError as exc:
+                raise ConfigError("kv_tls", str(exc)) from None
+        if check_redis:
+            _ping_redis(self.redis_url, redis_timeout_s)
+        return cfg
+
+    def transfer_tls(self) -> TLSConfig | None:
+        """What `make_sender` / `make_receiver` take: None unless kv_tls is set."""
+        return None if self.kv_tls is None else self.kv_tls.transport()
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model_id=self.model_id,
@@ -172,3 +326,43 @@ class ClusterConfig(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             seed=self.seed,
         )
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DEFAULT_KV_BYTES = 1 << 30  # LLMEngine's pool when nothing sizes it
+
+
+def _check_kv_pool(cfg: ClusterConfig, mc: ModelConfig) -> None:
+    """The KV pool a replica would allocate holds one sequence of `max_model_len` tokens.
+
+    NOTE: mirrors `LLMEngine._size_kv_pool` (which needs torch, this module must not):
+    a replica raises the same error at start.
+    """
+    assert cfg.max_model_len is not None
+    dtype = cfg.dtype if cfg.dtype != "auto" else mc.torch_dtype
+    block_bytes = cfg.block_size * mc.kv_bytes_per_token * _ITEMSIZE.get(dtype, 4) // 4
+    if cfg.num_kv_blocks is not None:
+        num_blocks, field = cfg.num_kv_blocks, "num_kv_blocks"
+    else:
+        wanted = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
+        num_blocks, field = min(wanted, _DEFAULT_KV_BYTES // block_bytes), "max_model_len"
+    if num_blocks * cfg.block_size < cfg.max_model_len:
+        raise ConfigError(
+            field,
+            f"the KV pool ({num_blocks} blocks of {cfg.block_size} tokens) cannot hold one "
+            f"sequence of max_model_len={cfg.max_model_len} tokens",
+        )
+
+
+def _ping_redis(url: str, timeout_s: float) -> None:
+    import redis
+    import redis.exceptions
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        client.ping()
+    except (redis.exceptions.RedisError, OSError) as exc:
+        # redis-py's messages name host and port, never the password
+        raise ConfigError("redis_url", f"{redact_url(url)} does not answer: {exc}") from None
+    finally:
+        client.close()

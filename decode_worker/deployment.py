@@ -44,6 +44,7 @@ class DecodeServer(WorkerReplica):
                 max_lease_s=max(cfg.kv_wait_timeout_s, 1.0),
                 expect_timeout_s=cfg.kv_wait_timeout_s,
             ),
+            tls=cfg.transfer_tls(),
         )
         self.worker = DecodeWorker(self.engine, receiver, cfg.kv_wait_timeout_s)
         self.address = await self.worker.start()

@@ -80,5 +80,13 @@ def build_app(config: ClusterConfig) -> Application:
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """Entry point for Serve config files (`serve run config.yaml`)."""
-    return build_app(ClusterConfig.model_validate(args))
+    """Entry point for Serve config files (`serve run config.yaml`).
+
+    Validates the whole configuration first (`ClusterConfig.preflight`), so a bad field
+    fails the deploy at once, naming it, rather than replicas failing one by one. Redis
+    is not pinged here: Serve may build the app before Redis is up, and the workers wait
+    for it. `${NAME}` in `redis_url` / `cluster_token` and `$PDSERVE_API_KEYS` come from
+    the environment (`ClusterConfig.from_serve_args`).
+    """
+    config = ClusterConfig.from_serve_args(args)
+    return build_app(config.preflight())

@@ -8,9 +8,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from pdserve.cluster.config import KVTLS
 
 
 def _add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +70,7 @@ def _api_keys(path: str | None) -> list[str]:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from pdserve.cluster.config import ClusterConfig
+    from pdserve.cluster.config import ClusterConfig, ConfigError
     from pdserve.deploy.up import run_up
     from pdserve.engine.demo_model import resolve_model
 
@@ -98,8 +101,38 @@ def _up(args: argparse.Namespace) -> int:
         decode_cpus=args.decode_cpus,
         prefill_autoscaling=_json_arg(args.prefill_autoscaling),
         decode_autoscaling=_json_arg(args.decode_autoscaling),
+        kv_tls=_kv_tls(args),
     )
+    # Everything a replica would trip over, before anything starts (seconds, not the
+    # ready timeout). The embedded Redis is started by run_up, so only an external one
+    # is pinged; joining a cluster on other nodes needs one they can all reach.
+    if args.address is not None and not args.redis_url:
+        raise ConfigError(
+            "redis_url",
+            "--address (joining a Ray cluster) needs --redis-url: the embedded Redis "
+            "listens on this machine's loopback, which other nodes cannot reach",
+        )
+    config.preflight(check_redis=bool(args.redis_url))
     return run_up(config, args.host, args.port, address=args.address)
+
+
+def _kv_tls(args: argparse.Namespace) -> KVTLS | None:
+    """The `kv_tls` field from the --kv-tls-* flags: cert, key and CA come together."""
+    from pdserve.cluster.config import KVTLS, ConfigError
+
+    files = {"cert_file": args.kv_tls_cert, "key_file": args.kv_tls_key}
+    files["ca_file"] = args.kv_tls_ca
+    given = [name for name, path in files.items() if path]
+    if not given:
+        if args.kv_tls_mutual or args.kv_tls_server_name:
+            raise ConfigError("kv_tls", "--kv-tls-mutual / --kv-tls-server-name need the files")
+        return None
+    if len(given) != len(files):
+        missing = ", ".join("--kv-tls-" + n.split("_")[0] for n in files if n not in given)
+        raise ConfigError(
+            "kv_tls", f"TLS needs --kv-tls-cert, --kv-tls-key and --kv-tls-ca (missing: {missing})"
+        )
+    return KVTLS(**files, mutual=args.kv_tls_mutual, server_name=args.kv_tls_server_name)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -211,7 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--transfer-host", default="127.0.0.1", help="address the KV receivers bind and announce"
     )
-    up.add_argument("--redis-url", default=None, help="external Redis (default: embedded)")
+    up.add_argument(
+        "--redis-url",
+        default=None,
+        help="external Redis, redis://[:PASSWORD@]HOST:PORT/DB (default: an embedded one, "
+        "on loopback with a generated password); pinged before anything starts",
+    )
     up.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     up.add_argument("--block-size", type=int, default=16)
     up.add_argument("--max-model-len", type=int, default=None)
@@ -245,6 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-cpus", default=None, help="pin prefill replicas to these CPUs")
     up.add_argument("--decode-cpus", default=None, help="pin decode replicas to these CPUs")
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")
+    tls = up.add_argument_group(
+        "KV transfer TLS (gRPC transport only; PEM files at the same paths on every node)"
+    )
+    tls.add_argument("--kv-tls-cert", default=None, help="certificate decode receivers present")
+    tls.add_argument("--kv-tls-key", default=None, help="its private key")
+    tls.add_argument("--kv-tls-ca", default=None, help="CA that signed the receivers' certificates")
+    tls.add_argument(
+        "--kv-tls-mutual",
+        action="store_true",
+        help="mutual TLS: prefill senders present the certificate too, and receivers require it",
+    )
+    tls.add_argument(
+        "--kv-tls-server-name",
+        default=None,
+        help="the name the certificate holds, if not the announced transfer address",
+    )
     up.set_defaults(func=_up)
 
     _add_bench_parser(sub)
@@ -257,10 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pydantic import ValidationError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (EngineError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+    except ValidationError as exc:  # one line per field, without the input's values
+        for error in exc.errors():
+            where = ".".join(str(part) for part in error["loc"])
+            why = str(error["msg"]).removeprefix("Value error, ")
+            print(f"pdserve: error: {where + ': ' if where else ''}{why}", file=sys.stderr)
+        return 2
+    except (EngineError, ValueError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 

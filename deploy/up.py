@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -124,7 +125,8 @@ def run_up(
     try:
         if config.redis_url == "":
             _say("starting the embedded Redis")
-            redis_server = EmbeddedRedis().start()
+            # A password even on loopback: other users of this machine reach it too.
+            redis_server = EmbeddedRedis(password=secrets.token_urlsafe(24)).start()
             config = config.model_copy(update={"redis_url": redis_server.url})
         config = config.resolved()
         replicas = config.decode_replicas + (

@@ -111,8 +111,8 @@ from pdserve.kv_transfer.errors import (
     ack_for,
     error_from_ack,
 )
-from pdserve.protos import kv_transfer_pb2 as pb
 from pdserve.kv_transfer.ucx_listener import create_listener
+from pdserve.protos import kv_transfer_pb2 as pb
 
 T = TypeVar("T")
 
@@ -396,11 +396,11 @@ class UcxReceiver(KVReceiver):
         self._runtime: _UcxRuntime | None = None
         self._core_loop: asyncio.AbstractEventLoop | None = None
         self._listener: Any = None
+        self._conn_handler: Any = None  # kept alive while the listener may call it
         self._endpoints: set[_Endpoint] = set()  # touched on the UCX loop only
         self._handlers: set[asyncio.Task[None]] = set()
         self.address: str | None = None
 
-        self._conn_handler: Any = None  # kept alive while the listener may call it
     async def start(self) -> str:
         self._core_loop = asyncio.get_running_loop()
         self._runtime = _UcxRuntime.get()
@@ -427,11 +427,11 @@ class UcxReceiver(KVReceiver):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+            self._conn_handler = None  # UCX no longer calls it: the listener is gone
         for ep in list(self._endpoints):
             ep.close()  # pending receives end with an error: handlers free their data
         if self._handlers:
             await asyncio.wait(set(self._handlers), timeout=CLOSE_WAIT_S)
-            self._conn_handler = None  # UCX no longer calls it: the listener is gone
 
     async def _core(self, fn: Callable[..., T], *args: Any) -> T:
         assert self._core_loop is not None

@@ -26,7 +26,7 @@ class PrefillServer(WorkerReplica):
         cfg = self.config
         self.worker = PrefillWorker(
             self.engine,
-            make_sender(cfg.transport),
+            make_sender(cfg.transport, tls=cfg.transfer_tls()),
             cfg.cluster_token,
             transfer_timeout_s=cfg.transfer_timeout_s,
             lease_ms=int(cfg.kv_wait_timeout_s * 1000),

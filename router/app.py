@@ -13,6 +13,7 @@ Extensions beyond OpenAI's schema: `top_k`, `ignore_eos`, `stop_token_ids`, and
 
 # NOTE: no `from __future__ import annotations` here: FastAPI must see `Request` as a
 # class, not a string, in methods that Ray Serve's ingress re-binds.
+import asyncio
 import hmac
 import json
 import time
@@ -147,6 +148,34 @@ class _Request:
         self.created = int(time.time())
 
 
+POOL_HEALTH_TIMEOUT_S = 2.0  # per pool, when /health must ask the pools directly
+
+
+async def pools_health(core: RouterCore, index_error: str) -> JSONResponse:
+    """/health without the index: 200 "degraded" if one replica of every pool answers
+    `load` within POOL_HEALTH_TIMEOUT_S, else 503 naming the pools that did not."""
+    pools = {"decode": core.decode, "prefill": core.prefill}
+    answered: dict[str, bool] = {}
+    # NOTE: one pool after the other: concurrent calls from one HTTP request share its
+    # Serve request id, which Ray Serve's router cannot tell apart (see RouterCore).
+    for role, handle in pools.items():
+        if handle is None:
+            continue
+        try:
+            await asyncio.wait_for(handle.load.remote(), POOL_HEALTH_TIMEOUT_S)
+            answered[role] = True
+        except Exception:  # no replica, a dead one, or too slow: not serving
+            answered[role] = False
+    ok = all(answered.values())
+    body = {
+        "status": "degraded" if ok else "unavailable",
+        "mode": core.config.mode,
+        "index": index_error,
+        "pools": {role: "ok" if up else "no answer" for role, up in answered.items()},
+    }
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
 @serve.deployment(name="Router")
 @serve.ingress(api)
 class Router:
@@ -172,11 +201,16 @@ class Router:
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        """200 once a decode worker (and in disagg mode a prefill worker) is live."""
+        """200 once every pool has a live worker, 503 while one has none.
+
+        The prefix index says which workers are live. Without it (Redis down) each pool
+        is asked directly, through its Serve handle: 200 "degraded" if every pool
+        answers in time (serving works, placement is load-only), else 503.
+        """
         try:
             workers = await self.core.live_workers()
-        except Exception as exc:  # Redis down: the workers may still serve
-            return JSONResponse({"status": "degraded", "index": repr(exc)}, status_code=200)
+        except Exception as exc:  # Redis down: ask the pools themselves
+            return await pools_health(self.core, repr(exc))
         counts = {role: sum(w.role == role for w in workers) for role in ("prefill", "decode")}
         ok = counts["decode"] > 0 and (self.core.prefill is None or counts["prefill"] > 0)
         body = {"status": "ok" if ok else "starting", "mode": self.config.mode, "workers": counts}
@@ -204,7 +238,11 @@ class Router:
         return JSONResponse({"workers": await self.core.worker_states(workers)})
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)  # every /v1 route needs the key when keys are set
+        except ProtocolError as exc:
+            return _error(exc)
         card = {
             "id": self.config.model_id,
             "object": "model",
@@ -212,7 +250,7 @@ class Router:
             "owned_by": "pdserve",
             "max_model_len": self.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        return JSONResponse({"object": "list", "data": [card]})
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

@@ -515,7 +515,8 @@ def test_api_keys_are_required_when_configured(cluster: tuple[str, str]) -> None
         assert info.value.response.headers["www-authenticate"] == "Bearer"
     body = json.dumps({"model": model, "prompt": "x"}).encode()
     no_key = urllib.request.Request(f"{url}/v1/completions", data=body)
-    for req in (no_key, urllib.request.Request(f"{url}/workers")):  # operators' too
+    models = urllib.request.Request(f"{url}/v1/models")  # every /v1 route
+    for req in (no_key, models, urllib.request.Request(f"{url}/workers")):  # operators' too
         with pytest.raises(urllib.error.HTTPError) as http:
             urllib.request.urlopen(req, timeout=30)
         assert http.value.code == 401

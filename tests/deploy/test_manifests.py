@@ -28,11 +28,18 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 import ray
+import trustme
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from pdserve.cluster.config import ClusterConfig
-from pdserve.deploy.redis_server import EmbeddedRedis, free_port, wait_session_empty
+from pdserve.deploy.redis_server import (
+    EmbeddedRedis,
+    drain,
+    free_port,
+    wait_for_line,
+    wait_session_empty,
+)
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 SERVE_CONFIG = REPO_DIR / "deploy" / "serve_config.yaml"
@@ -44,6 +51,7 @@ STOP_TIMEOUT_S = 90.0
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 # Kinds whose pod template sits at spec.template.
 TEMPLATED_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
+COMPONENT = "app.kubernetes.io/component"
 
 Doc = dict[str, Any]
 
@@ -203,6 +211,24 @@ def labels_match(selector: dict[str, str], template: Doc) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
 
 
+def selector_matches(selector: Doc, template: Doc) -> bool:
+    """A LabelSelector (matchLabels and matchExpressions) against a pod template."""
+    labels = template.get("metadata", {}).get("labels", {})
+    if not labels_match(selector.get("matchLabels", {}), template):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
 def ray_service(docs: list[Doc]) -> Doc:
     (service,) = of_kind(docs, "RayService")
     return service
@@ -268,11 +294,11 @@ def test_selectors_match_pod_templates(manifests: list[Doc]) -> None:
         if doc["kind"] in TEMPLATED_KINDS - {"Job"}:
             assert labels_match(doc["spec"]["selector"]["matchLabels"], doc["spec"]["template"])
     for policy in of_kind(manifests, "NetworkPolicy"):
-        selectors = [policy["spec"]["podSelector"]["matchLabels"]]
+        selectors = [policy["spec"]["podSelector"]]
         for rule in policy["spec"].get("ingress", []):
-            selectors += [p["podSelector"]["matchLabels"] for p in rule.get("from", [])]
+            selectors += [p["podSelector"] for p in rule.get("from", []) if "podSelector" in p]
         for selector in selectors:
-            assert any(labels_match(selector, t) for t in templates), (policy, selector)
+            assert any(selector_matches(selector, t) for t in templates), (policy, selector)
 
 
 def _references(template: Doc) -> Iterator[tuple[str, str]]:
@@ -298,11 +324,39 @@ def _references(template: Doc) -> Iterator[tuple[str, str]]:
                 yield "Secret", ref["secretKeyRef"]["name"]
 
 
+def _readme_secrets() -> dict[str, set[str]]:
+    """Secrets deploy/README.md creates (`kubectl create secret generic NAME ...`), with
+    their keys (`--from-literal=KEY=...`, `--from-file=KEY`). They are not manifests, so
+    that no secret value is ever committed."""
+    text = (REPO_DIR / "deploy" / "README.md").read_text().replace("\\\n", " ")
+    secrets: dict[str, set[str]] = {}
+    for match in re.finditer(r"kubectl create secret generic (\S+)([^\n]*)", text):
+        keys = re.findall(r"--from-(?:literal|file)=([\w.-]+)", match.group(2))
+        secrets[match.group(1)] = set(keys)
+    return secrets
+
+
+def _secret_keys(template: Doc) -> Iterator[tuple[str, str]]:
+    """(Secret, key) of every Secret key a pod template reads (env, or a volume's files)."""
+    for container in containers(template):
+        for env in container.get("env", []):
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                yield ref["name"], ref["key"]
+    for volume in template["spec"].get("volumes", []):
+        if "secret" in volume:
+            for item in volume["secret"].get("items", []):
+                yield volume["secret"]["secretName"], item["key"]
+
+
 def test_referenced_objects_exist(manifests: list[Doc]) -> None:
     defined = {(doc["kind"], doc["metadata"]["name"]) for doc in manifests}
+    defined |= {("Secret", name) for name in _readme_secrets()}
     for template in all_templates(manifests):
         for ref in _references(template):
-            assert ref in defined, f"{ref} is used but not defined"
+            assert ref in defined, f"{ref} is used but neither defined nor created in the README"
+        for name, key in _secret_keys(template):
+            assert key in _readme_secrets()[name], f"the README's Secret {name} has no key {key}"
     # The Serve app reaches Redis through a Service of these manifests, on its port.
     (app,) = serve_config(manifests).applications
     redis = urlsplit(app.args["redis_url"])
@@ -339,7 +393,19 @@ def _gpus_per_pod(group: Doc) -> int:
     return int(container["resources"]["limits"].get("nvidia.com/gpu", 0))
 
 
-def test_ray_service_config_builds_the_app(manifests: list[Doc], demo_model_dir: Path) -> None:
+def _tls_files(folder: Path) -> dict[str, Any]:
+    ca = trustme.CA()
+    cert = ca.issue_cert("pdserve-kv")
+    files = {name: folder / f"{name}.pem" for name in ("cert_file", "key_file", "ca_file")}
+    cert.cert_chain_pems[0].write_to_path(str(files["cert_file"]))
+    cert.private_key_pem.write_to_path(str(files["key_file"]))
+    ca.cert_pem.write_to_path(str(files["ca_file"]))
+    return {**{k: str(v) for k, v in files.items()}, "mutual": True, "server_name": "pdserve-kv"}
+
+
+def test_ray_service_config_builds_the_app(
+    manifests: list[Doc], demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The embedded Serve config validates, and the deployments it overrides exist."""
     from ray.serve._private.build_app import build_app  # what Serve's controller runs
     from ray.serve._private.utils import import_attr
@@ -347,10 +413,18 @@ def test_ray_service_config_builds_the_app(manifests: list[Doc], demo_model_dir:
     config = serve_config(manifests)
     (app,) = config.applications
     assert app.import_path == "pdserve.deploy.app:app_builder"
-    args = ClusterConfig.model_validate(app.args)
-    # The model folder is read where the app is built; here that is the demo model.
+    for name in ("PDSERVE_REDIS_PASSWORD", "PDSERVE_CLUSTER_TOKEN"):
+        monkeypatch.setenv(name, f"value-of-{name}")  # the pods set them from Secrets
+    monkeypatch.setenv("PDSERVE_API_KEYS", "sk-one,sk-two")
+    args = ClusterConfig.from_serve_args(app.args)
+    assert args.redis_url == "redis://:value-of-PDSERVE_REDIS_PASSWORD@pdserve-redis:6379/0"
+    assert args.cluster_token == "value-of-PDSERVE_CLUSTER_TOKEN"
+    assert args.api_keys == ["sk-one", "sk-two"]
+    # The model folder and the TLS files are read where the app is built: here, the demo
+    # model and files of a CA made for the test.
     builder = import_attr(app.import_path)
-    built = build_app(builder({**app.args, "model": str(demo_model_dir)}), name=app.name)
+    local = {**app.args, "model": str(demo_model_dir), "kv_tls": _tls_files(tmp_path)}
+    built = build_app(builder(local), name=app.name)
     names = {deployment.name for deployment in built.deployments}
     assert {d.name for d in app.deployments} <= names, names
     # Replicas of different pods must reach each other's KV receivers.
@@ -395,3 +469,173 @@ def test_every_ray_pod_mounts_the_model(manifests: list[Doc]) -> None:
         (container,) = template["spec"]["containers"]
         mounts = [Path(m["mountPath"]) for m in container.get("volumeMounts", [])]
         assert any(model.is_relative_to(m) for m in mounts), container["name"]
+
+
+# --- Secrets, authentication and exposure -------------------------------------------------
+
+RAY_POD_SECRETS = {
+    "PDSERVE_API_KEYS": ("pdserve-auth", "api-keys"),
+    "PDSERVE_CLUSTER_TOKEN": ("pdserve-auth", "cluster-token"),
+    "PDSERVE_REDIS_PASSWORD": ("pdserve-redis", "password"),
+}
+
+
+def _ray_containers(docs: list[Doc]) -> list[tuple[Doc, Doc]]:
+    """(pod template, its one container) of the head and every worker group."""
+    out = []
+    for template in pod_templates(ray_service(docs)):
+        (container,) = template["spec"]["containers"]
+        out.append((template, container))
+    return out
+
+
+def _env(container: Doc) -> dict[str, Doc]:
+    return {env["name"]: env for env in container.get("env", [])}
+
+
+def _redis_container(docs: list[Doc]) -> Doc:
+    (redis,) = [d for d in of_kind(docs, "Deployment") if d["metadata"]["name"] == "pdserve-redis"]
+    (container,) = containers(redis["spec"]["template"])
+    return container
+
+
+def test_secrets_come_from_secrets_on_every_ray_pod(manifests: list[Doc]) -> None:
+    """API keys, the cluster token and the Redis password are not in the RayService spec:
+    the Serve config names environment variables that every Ray pod sets from Secrets."""
+    (app,) = serve_config(manifests).applications
+    assert "api_keys" not in app.args
+    assert app.args["cluster_token"] == "${PDSERVE_CLUSTER_TOKEN}"
+    assert urlsplit(app.args["redis_url"]).password == "${PDSERVE_REDIS_PASSWORD}"
+    for template, container in _ray_containers(manifests):
+        env = _env(container)
+        for name, secret in RAY_POD_SECRETS.items():
+            ref = env[name]["valueFrom"]["secretKeyRef"]
+            assert (ref["name"], ref["key"]) == secret, (template["metadata"]["labels"], name)
+
+
+def test_the_router_service_says_clients_need_a_key() -> None:
+    text = (K8S_DIR / "router-service.yaml").read_text()
+    assert "no authentication" not in text
+    assert "pdserve-auth" in text and "Authorization: Bearer" in text
+
+
+def test_redis_runs_with_the_password_the_ray_pods_use(manifests: list[Doc]) -> None:
+    container = _redis_container(manifests)
+    ref = _env(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == RAY_POD_SECRETS["PDSERVE_REDIS_PASSWORD"]
+    script = " ".join(container["args"])
+    assert "requirepass" in script and "protected-mode no" not in script
+    assert "--requirepass" not in script, "a password on the command line shows in ps"
+
+
+def test_the_redis_command_requires_its_password(manifests: list[Doc], tmp_path: Path) -> None:
+    """The Redis container's own shell command, run here (on loopback, a free port, in a
+    temporary folder): unauthenticated clients are refused, the password is accepted, and
+    it is on no process's command line."""
+    import redis
+
+    (script,) = _redis_container(manifests)["args"]
+    port = free_port()
+    assert "--bind 0.0.0.0 --port 6379" in script
+    script = script.replace("--bind 0.0.0.0 --port 6379", f"--bind 127.0.0.1 --port {port}")
+    script = script.replace("/tmp", str(tmp_path))
+    password = "0123456789abcdef" * 4
+    env = {**os.environ, "REDIS_PASSWORD": password}
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", script], env=env, stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        wait_for_line(proc.stdout, "Ready to accept connections", 30.0)
+        drain(proc.stdout)
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=5).ping()
+        client = redis.Redis.from_url(f"redis://:{password}@127.0.0.1:{port}/0", socket_timeout=5)
+        assert client.ping() is True
+        client.close()
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()  # exec'd: redis-server
+        assert b"redis-server" in cmdline and password.encode() not in cmdline
+    finally:
+        proc.terminate()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+def test_the_dashboard_listens_on_the_pod_ip_only(manifests: list[Doc]) -> None:
+    head = ray_service(manifests)["spec"]["rayClusterConfig"]["headGroupSpec"]
+    host = head["rayStartParams"]["dashboard-host"]
+    assert host not in ("0.0.0.0", "::", "[::]", "")
+    match = re.fullmatch(r"\$(\w+)", host)
+    assert match, f"dashboard-host {host!r}: expected the pod IP's variable"
+    (container,) = head["template"]["spec"]["containers"]
+    ref = _env(container)[match.group(1)]["valueFrom"]["fieldRef"]
+    assert ref["fieldPath"] == "status.podIP"
+
+
+def _peers(policies: list[Doc], template: Doc, port: int) -> list[Doc] | None:
+    """Who may reach `port` of a pod of `template`: None if no policy selects the pod
+    (then anyone may), else the allowed peers ({} = anyone)."""
+    selecting = [p for p in policies if selector_matches(p["spec"]["podSelector"], template)]
+    if not selecting:
+        return None
+    peers: list[Doc] = []
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if not ports or port in ports:
+                peers += rule.get("from", [{}])
+    return peers
+
+
+def _only_ray_pods(peers: list[Doc] | None, docs: list[Doc]) -> bool:
+    """Every peer is a pod selector of this namespace matching Ray pods only."""
+    ray = [t for t, _ in _ray_containers(docs)]
+    others = [t for t in all_templates(docs) if t not in ray]
+    return bool(peers) and all(
+        set(peer) == {"podSelector"}
+        and any(selector_matches(peer["podSelector"], t) for t in ray)
+        and not any(selector_matches(peer["podSelector"], t) for t in others)
+        for peer in peers or []
+    )
+
+
+def test_network_policies_limit_who_reaches_redis_the_kv_ports_and_the_head(
+    manifests: list[Doc],
+) -> None:
+    policies = of_kind(manifests, "NetworkPolicy")
+    redis_template = next(
+        t for t in all_templates(manifests) if t["metadata"]["labels"].get(COMPONENT) == "redis"
+    )
+    assert _only_ray_pods(_peers(policies, redis_template, 6379), manifests), "Redis"
+    by_component = {t["metadata"]["labels"][COMPONENT]: t for t, _ in _ray_containers(manifests)}
+    assert set(by_component) == {"ray-head", "prefill", "decode"}
+    # A decode receiver's port is random (transfer port 0); Ray's own ports too.
+    for component, template in by_component.items():
+        for port in (40123, 6379, 10001, 52365):
+            assert _only_ray_pods(_peers(policies, template, port), manifests), (component, port)
+    head = by_component["ray-head"]
+    assert {} in (_peers(policies, head, 8000) or []), "the router's port is open"
+    dashboard = _peers(policies, head, 8265) or []
+    outside = [p for p in dashboard if not _only_ray_pods([p], manifests)]
+    assert outside == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}}}
+    ]
+
+
+def test_kv_pushes_use_mutual_tls_with_files_of_a_secret(manifests: list[Doc]) -> None:
+    (app,) = serve_config(manifests).applications
+    args = ClusterConfig.model_validate(
+        {**app.args, "redis_url": "redis://pdserve-redis:6379/0", "cluster_token": "t"}
+    )
+    assert args.transport == "grpc" and args.kv_tls is not None
+    assert args.kv_tls.mutual and args.kv_tls.server_name  # pod IPs are not in the cert
+    files = [Path(f) for f in (args.kv_tls.cert_file, args.kv_tls.key_file, args.kv_tls.ca_file)]
+    created = _readme_secrets()
+    for template, container in _ray_containers(manifests):
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        for file in files:
+            (name,) = [n for n, m in mounts.items() if Path(m["mountPath"]) == file.parent]
+            assert mounts[name].get("readOnly") is True
+            secret = volumes[name]["secret"]["secretName"]
+            assert file.name in created[secret], f"{secret} has no key {file.name}"
