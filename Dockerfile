@@ -10,6 +10,13 @@ ARG RAY_VERSION=2.60.0
 FROM rayproject/ray:${RAY_VERSION}-py311-gpu
 
 ARG RAY_VERSION
+# A C/C++ compiler: a UCX receiver bound to one address builds a small helper against
+# ucxx's headers on first use (kv_transfer/ucx_listener.py), and CPU engines build their
+# decode-attention kernel (engine/csrc/) the same way.
+USER root
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+USER ray
 # pdserve asks only for torch>=2.4: GPU users bring their own CUDA build. Pick the wheel
 # index that matches the nodes' NVIDIA driver (https://pytorch.org/get-started/locally/);
 # the CUDA wheels carry their own CUDA runtime and Triton.

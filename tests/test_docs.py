@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.config import ClusterConfig, PlacementWeights, PoolAutoscaling
+from pdserve.cluster.config import KVTLS, ClusterConfig, PlacementWeights, PoolAutoscaling
 from pdserve.router.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def _tracked_files() -> list[Path]:
 
 
 @pytest.mark.parametrize(
-    "model", [ClusterConfig, PlacementWeights, PoolAutoscaling], ids=lambda m: m.__name__
+    "model", [ClusterConfig, PlacementWeights, PoolAutoscaling, KVTLS], ids=lambda m: m.__name__
 )
 def test_every_configuration_field_is_documented(model: type) -> None:
     text = (DOCS / "configuration.md").read_text()
