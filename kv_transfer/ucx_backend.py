@@ -80,6 +80,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import logging
 import os
 import struct
 import threading
@@ -115,6 +116,7 @@ from pdserve.kv_transfer.ucx_listener import create_listener
 from pdserve.protos import kv_transfer_pb2 as pb
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 UCX_ENV_DEFAULTS = {
     "UCX_TLS": "tcp,sm,self",
@@ -254,8 +256,10 @@ class _Endpoint:
 
     def close(self) -> None:
         """Close the endpoint at once; its requests end (cancelled) on the next progress."""
-        with contextlib.suppress(Exception):  # already broken: nothing more to free
+        try:
             self.ep.abort()
+        except Exception as exc:  # already broken: nothing more to free
+            logger.debug("UCX endpoint abort: %r", exc)
         self._progress.kick()
 
     async def abort(self, timeout_s: float = CLOSE_WAIT_S) -> bool:
@@ -322,7 +326,7 @@ class _UcxRuntime:
         application_context.ProgressTasks[loop] = self.progress
 
     def _shutdown(self) -> None:
-        with contextlib.suppress(Exception):  # best effort at exit
+        with contextlib.suppress(RuntimeError):  # the loop is closed already
             self.loop.call_soon_threadsafe(self.loop.stop)
 
     @classmethod
@@ -447,8 +451,8 @@ class UcxReceiver(KVReceiver):
         try:
             while await self._serve_one(ep):
                 pass
-        except Exception:  # a broken connection ends only itself
-            pass
+        except Exception as exc:  # a broken connection ends only itself
+            logger.warning("UCX connection broke (a transfer on it failed): %r", exc)
         finally:
             self._endpoints.discard(ep)
             self._handlers.discard(task)
@@ -458,7 +462,8 @@ class UcxReceiver(KVReceiver):
         """One transfer; False when the connection should end."""
         try:
             raw = await _recv_control(ep)
-        except Exception:  # the sender hung up between transfers, or is out of step
+        except Exception as exc:  # the sender hung up between transfers, or is out of step
+            logger.debug("UCX connection ends: %r", exc)
             return False
         try:
             try:
@@ -499,8 +504,10 @@ class UcxReceiver(KVReceiver):
             why = "no whole payload within the lease" if isinstance(exc, TimeoutError) else exc
             error = TruncatedError(f"stream of {request_id!r} broke: {why!r}")
             clean = await self._abandon(ep, recvs)
-            with contextlib.suppress(Exception):  # core's loop gone: it freed everything
+            try:
                 await self._core(self.core.fail, request_id, error, clean)
+            except Exception as fail_exc:  # core's loop gone: it freed everything
+                logger.debug("UCX: receiver gone while failing %r: %r", request_id, fail_exc)
             raise
         try:
             await self._core(self.core.finish, request_id, int(buffer.size), hasher.checksums())
@@ -532,7 +539,8 @@ class UcxReceiver(KVReceiver):
             async with asyncio.timeout(self._lease_s(header)):
                 for a, b in chunks:  # UCX holds what arrives before its receive is posted
                     await ep.recv(scratch[: (b - a) * row_bytes])
-        except Exception:
+        except Exception as exc:
+            logger.warning("UCX: refused payload of %r did not arrive: %r", header.request_id, exc)
             await ep.abort()
             return False
         return True
@@ -551,7 +559,8 @@ class UcxReceiver(KVReceiver):
             async with asyncio.timeout(self._lease_s(header)):
                 for recv in recvs:
                     await recv
-        except Exception:
+        except Exception as exc:
+            logger.warning("UCX: refused payload of %r did not arrive: %r", header.request_id, exc)
             if await self._abandon(ep, recvs):
                 self.core.pool.give(buffer)
             return False

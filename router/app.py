@@ -29,6 +29,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
+from redis.exceptions import RedisError
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.prefix_index import PrefixIndex
@@ -220,7 +221,7 @@ class Router:
     async def metrics(self) -> Response:
         try:
             workers = await self.core.live_workers()
-        except Exception:
+        except (RedisError, OSError, TimeoutError):  # Redis down: no worker gauges
             workers = []
         return Response(self.core.metrics.render(workers), media_type=CONTENT_TYPE)
 
