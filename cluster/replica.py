@@ -78,10 +78,11 @@ class WorkerReplica:
         self.index = PrefixIndex(self.redis, self.config.model_id, self.config.worker_lease_s)
         self.member: IndexMember | None = None
 
-    async def join_index(self, address: str) -> None:
-        async def load() -> dict[str, int]:
-            return await self.engine.call(lambda e: e.load())
+    async def index_load(self) -> dict[str, int]:
+        """The gauges each heartbeat publishes (the router's /metrics shows them)."""
+        return await self.engine.call(lambda e: e.load())
 
+    async def join_index(self, address: str) -> None:
         async def drain() -> list[KVEvent]:
             # NOTE: not through the engine thread: a request's last token must not wait
             # for the next step boundary before its blocks are published (measured: the
@@ -93,7 +94,7 @@ class WorkerReplica:
             self.worker_id,
             self.role,
             address,
-            load,
+            self.index_load,
             drain,
             self.engine.kv_snapshot,
             self.config.heartbeat_s,

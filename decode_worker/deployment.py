@@ -6,26 +6,44 @@ with preemption, and streams outputs back to the router (a Ray Serve streaming c
 A transfer that fails, arrives late or is cancelled by the router makes it prefill the
 request locally; colocated mode always does. KV events go to the index.
 
+In disaggregated mode a replica expects KV whenever the router asks, whichever replica
+Ray Serve gave the call to (the one placement chose, another if that one was gone or
+full, any one when placement had no index): the router learns which replica took the
+request and its receiver's address from the first stream item, and tells the prefill
+worker to push there.
+
 Stream items are plain dicts (the router imports no torch): first
-`{"type": "accepted", "kv_expected": bool, "worker_id": str}` once the receiver expects
-the request (only then may the prefill worker push), then one `{"type": "output", ...}`
-per step that produced tokens.
+`{"type": "accepted", "kv_expected": bool, "worker_id": str, "address": str}` once the
+receiver expects the request (only then may the prefill worker push), then one
+`{"type": "output", ...}` per step that produced tokens. When expected KV was not used,
+the first output item says why in "local_prefill" (a reason of the router's
+`pdserve_decode_local_prefill_total`: "transfer_failed", "kv_late" or what the router
+gave `cancel_kv`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.cluster.log_once import OncePerCause
 from pdserve.cluster.replica import WorkerReplica, resolve_transfer_host
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_receiver
 from pdserve.kv_transfer.base import ReceiverConfig
+from pdserve.kv_transfer.errors import (
+    LeaseExpiredError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownRequestError,
+)
 from pdserve.kv_transfer.torch_payload import layout_of
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeServer(WorkerReplica):
@@ -47,11 +65,12 @@ class DecodeServer(WorkerReplica):
             tls=cfg.transfer_tls(),
         )
         self.worker = DecodeWorker(self.engine, receiver, cfg.kv_wait_timeout_s)
+        # request id -> the reason the router gave `cancel_kv` (None until it does), for
+        # each request of this replica that expects KV and has not produced a token yet
+        self._awaiting_kv: dict[str, str | None] = {}
+        self._log = OncePerCause(logger)
         self.address = await self.worker.start()
         await self.join_index(self.address)
-
-    def expects_kv(self, target_replica: str | None) -> bool:
-        return self.config.mode == "disagg" and target_replica == self.worker_id
 
     async def generate(
         self,
@@ -61,12 +80,29 @@ class DecodeServer(WorkerReplica):
         kv_expected: bool = False,
         target_replica: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Stream a request. KV is awaited only if the router placed it here for a push."""
-        kv_expected = kv_expected and self.expects_kv(target_replica)
+        """Stream a request; with `kv_expected` (disaggregated mode) its KV is awaited.
+
+        `target_replica` is the replica placement chose (read by the request router);
+        this replica takes the KV even when it is not that one: the router pushes to the
+        address this replica reports, so the split happens whoever serves.
+        """
+        kv_expected = kv_expected and self.config.mode == "disagg"
         if kv_expected:
-            self.worker.expect_kv(request_id, prompt_token_ids)
+            try:
+                self.worker.expect_kv(request_id, prompt_token_ids)
+            except TransferError as exc:  # e.g. the id is expected here already
+                why = "%s: cannot take KV here (%r); prefilling locally"
+                self._log.log("not_target", why, request_id, exc)
+                kv_expected = False
+        if kv_expected:
+            self._awaiting_kv[request_id] = None
         try:
-            yield {"type": "accepted", "kv_expected": kv_expected, "worker_id": self.worker_id}
+            yield {
+                "type": "accepted",
+                "kv_expected": kv_expected,
+                "worker_id": self.worker_id,
+                "address": self.address,
+            }
             info: dict[str, Any] = {}
             first = True
             async for out in self.worker.generate(
@@ -75,17 +111,49 @@ class DecodeServer(WorkerReplica):
                 item = _output_item(out)
                 if first:
                     item.update(_first_item_extras(out, info, self.config.block_size))
+                    if kv_expected and not info.get("kv_used"):
+                        item["local_prefill"] = self._local_prefill_reason(request_id, info)
                     first = False
                 if out.finished:
                     await self.flush_events()
                 yield item
         finally:
+            self._awaiting_kv.pop(request_id, None)
             if kv_expected:
                 self.worker.receiver.cancel(request_id)  # idempotent; frees late KV
 
-    async def cancel_kv(self, request_id: str, target_replica: str | None = None) -> None:
-        """The prefill for `request_id` failed: stop waiting and prefill locally now."""
+    def _local_prefill_reason(self, request_id: str, info: dict[str, Any]) -> str:
+        """Why expected KV was not used (a label of the router's local-prefill counter)."""
+        error = info.get("kv_error")
+        cancelled = self._awaiting_kv.get(request_id)
+        if isinstance(error, UnknownRequestError) and cancelled is not None:
+            reason = cancelled  # the router's cancel_kv ended the wait
+        elif isinstance(error, TransferTimeoutError | LeaseExpiredError):
+            reason = "kv_late"
+        else:  # the push broke, failed its checks, or its KV could not be imported
+            reason = "transfer_failed"
+        self._log.log(
+            reason,
+            "%s: expected KV not used (%s: %r); prefilled on this decode worker",
+            request_id,
+            reason,
+            error,
+        )
+        return reason
+
+    async def cancel_kv(
+        self, request_id: str, reason: str = "prefill_failed", target_replica: str | None = None
+    ) -> str:
+        """The prefill for `request_id` failed (`reason`, a local-prefill counter label):
+        stop waiting and prefill locally now. Returns this replica's id, so the router
+        sees whether the call reached the replica that waits."""
+        if request_id in self._awaiting_kv:
+            self._awaiting_kv[request_id] = reason
         self.worker.receiver.cancel(request_id)
+        return self.worker_id
+
+    async def index_load(self) -> dict[str, int]:
+        return {**await super().index_load(), "pending_transfers": self.worker.receiver.num_pending}
 
     async def load(self, target_replica: str | None = None) -> dict[str, Any]:
         load = await super().load(target_replica)
@@ -96,8 +164,10 @@ class DecodeServer(WorkerReplica):
         }
 
     async def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:
             await self.worker.close()
+        except Exception:  # shutting down anyway: the rest must still be stopped
+            logger.exception("closing the KV receiver failed")
         await self.shutdown()
 
 

@@ -64,11 +64,13 @@ class DecodeWorker:
         """Stream the request's outputs; the first one is prefill's token when KV came.
 
         `info`, if given, is filled before the first output: "kv_used" (the pushed KV
-        was admitted), "first_block" (leading blocks taken from this worker's own cache)
-        and "ready_s" (time.monotonic() when the KV was claimed, or the call began).
+        was admitted), "first_block" (leading blocks taken from this worker's own cache),
+        "ready_s" (time.monotonic() when the KV was claimed, or the call began) and, when
+        expected KV was not used, "kv_error" (why: the claim's TransferError or the
+        import's KVImportError; the deployment logs and reports it).
         """
-        received = await self._claim(request_id) if kv_expected else None
         info = {} if info is None else info
+        received = await self._claim(request_id, info) if kv_expected else None
         info.update(kv_used=False, first_block=0, ready_s=time.monotonic())
 
         def start(engine: LLMEngine) -> RequestOutput | None:
@@ -96,7 +98,8 @@ class DecodeWorker:
                     info.update(kv_used=True, first_block=header.first_block_index)
                     return first
                 except KVImportError as exc:
-                    logger.warning("%s: arrived KV unusable (%s); prefilling here", request_id, exc)
+                    info["kv_error"] = exc
+                    logger.debug("%s: arrived KV unusable (%s); prefilling here", request_id, exc)
             if kv_expected:  # the KV never came, or could not be used
                 self.num_local_fallbacks += 1
             engine.add_request(request_id, prompt_token_ids, params, stream=True)
@@ -106,11 +109,12 @@ class DecodeWorker:
         async for out in self.engine.stream(request_id, start, on_started=release):
             yield out
 
-    async def _claim(self, request_id: str) -> ReceivedKV | None:
+    async def _claim(self, request_id: str, info: dict[str, Any]) -> ReceivedKV | None:
         try:
             return await self.receiver.claim(request_id, self.kv_wait_timeout_s)
         except TransferError as exc:
-            logger.warning("%s: no usable KV (%s); prefilling here", request_id, exc)
+            info["kv_error"] = exc
+            logger.debug("%s: no usable KV (%s); prefilling here", request_id, exc)
             return None
 
     async def close(self) -> None:

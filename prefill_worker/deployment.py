@@ -3,8 +3,11 @@
 Each replica runs its own engine (chunked prefill with a per-step token budget, several
 requests per step, reuse of its own cached prefix), samples the first token, pushes the
 KV blocks the chosen decode worker lacks to that worker's receiver, and publishes its KV
-events to the prefix index. The router calls `prefill` with the decode worker's
-address; `target_replica` is read by `TargetedRequestRouter`, not here.
+events to the prefix index. The router calls `prefill` with the address of the decode
+replica that took the request (its first stream item says it); `target_replica` (the
+chosen prefill replica, or None when placement had no index) is read by
+`TargetedRequestRouter`, not here. The result names the replica that served, which the
+router counts.
 """
 
 from __future__ import annotations

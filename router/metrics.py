@@ -21,6 +21,19 @@ _LATENCY_BUCKETS = (
     *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75),
     *(1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
 )
+# Why a decode worker prefilled a prompt itself in disaggregated mode (README, "Metrics"):
+# transfer_failed: the push failed or the KV that came could not be used; kv_late: no KV
+# within kv_wait_timeout_s; prefill_failed: the prefill call failed; not_target: the
+# replica that took the call would not take KV for it; no_prefill_worker: the index
+# lists no live prefill worker; resume: a resumed stream, prefilled there on purpose.
+LOCAL_PREFILL_REASONS = (
+    "transfer_failed",
+    "kv_late",
+    "prefill_failed",
+    "not_target",
+    "no_prefill_worker",
+    "resume",
+)
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill_compute", "transfer", "decode_queue")
 _WORKER_GAUGES = {
     "running": "Requests in the running batch",
@@ -28,6 +41,7 @@ _WORKER_GAUGES = {
     "queued_prefill_tokens": "Prompt tokens not yet prefilled",
     "kv_blocks_used": "KV blocks referenced by requests",
     "kv_blocks_total": "KV blocks in the pool",
+    "pending_transfers": "KV transfers a decode worker expects, receives or holds",
 }
 
 
@@ -112,18 +126,30 @@ class RouterMetrics:
             "Pushes that failed (decode prefilled locally)",
             registry=r,
         )
-        self.local_fallbacks = Counter(
-            "pdserve_decode_local_prefill_fallbacks",
-            "Disaggregated requests the decode worker prefilled itself",
+        self.local_prefills = Counter(
+            "pdserve_decode_local_prefill",
+            "Prompts a decode worker prefilled itself in disaggregated mode, by reason",
+            ["reason"],
             registry=r,
         )
+        for reason in LOCAL_PREFILL_REASONS:  # every reason shows, at 0 until it happens
+            self.local_prefills.labels(reason)
         self.resumes = Counter(
             "pdserve_decode_resumes",
             "Streams resumed on another decode worker after theirs failed",
             registry=r,
         )
         self.placements = Counter(
-            "pdserve_placements", "Requests placed per worker", ["role", "worker"], registry=r
+            "pdserve_placements",
+            "Requests served per worker (the replica that took the call)",
+            ["role", "worker"],
+            registry=r,
+        )
+        self.placement_overrides = Counter(
+            "pdserve_placement_overrides",
+            "Calls Ray Serve gave to another replica than the one placement chose",
+            ["role"],
+            registry=r,
         )
         self.inflight = Gauge(
             "pdserve_router_inflight_requests",

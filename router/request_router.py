@@ -5,8 +5,11 @@ The router ingress picks prefill and decode workers itself (prefix index + load,
 argument of the call. This `RequestRouter` (Ray Serve's extension point for routing,
 `ray.serve.request_router`) ranks that replica first. If it is gone (scaled down, died
 since the index last saw it) the others follow, least busy first by Serve's own queue
-length cache, so a call is never stuck on a vanished replica; the worker then sees it
-was not the target and behaves accordingly (a decode worker prefills locally).
+length cache, so a call is never stuck on a vanished replica; a call without a target
+(placement had no index) goes to the least busy. The split survives either way: a
+decode replica takes KV whichever replica it is, and reports its id and receiver address
+to the router, which counts the override (`pdserve_placement_overrides_total{role}`)
+and has the prefill worker push to that address.
 """
 
 from __future__ import annotations
