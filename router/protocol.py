@@ -13,11 +13,30 @@ stop, max_tokens / max_completion_tokens, logprobs, streaming with
 ``stream_options.include_usage``. Extensions (as in vLLM): top_k, stop_token_ids,
 ignore_eos, return_token_ids, add_generation_prompt.
 
-Rejected with a 400 that says so: batched prompts, n > 1, best_of > 1, echo, suffix,
-non-zero presence/frequency penalties, logit_bias, and non-text content parts (images,
-audio). Fields this schema does not know (tools, response_format, metadata, ...) are
-ignored, not rejected (``extra="ignore"``): OpenAI clients send some of them by default,
-and a server that rejected them would break those clients.
+A request never silently loses meaning: every field that would change what the output
+is or means, and that the router does not implement, gets a 400 naming it (``param``),
+never a 200 that ignores it. So a client that asks for JSON (``response_format``) or tool
+calls does not receive free text it would take for an answer. Rejected with
+``code: "unsupported_parameter"``: batched prompts, n > 1, best_of > 1, echo, suffix,
+non-zero presence/frequency penalties, a non-empty logit_bias, a response_format other
+than text, modalities other than text, non-text content parts (images, audio), and any
+non-null value of the `NOT_IMPLEMENTED` fields (tools, tool_choice, parallel_tool_calls,
+functions, function_call, prediction, audio, reasoning_effort, verbosity,
+web_search_options; in messages: tool_calls, tool_call_id, function_call). logprobs
+beyond `MAX_LOGPROBS` fail the schema's bound. The schema says all of it (null-only
+types, maximum 1, maxProperties 0, ...), so /openapi.json tells the truth.
+
+Fields that cannot change the output are accepted and ignored (`NO_EFFECT`): user,
+metadata, store (nothing is stored), service_tier, prompt_cache_key, safety_identifier,
+and stream_options.include_obfuscation.
+
+Fields the schema does not know at all get a 400 too (``extra="forbid"``, code
+``unknown_parameter``), unlike vLLM, which ignores them. An unknown field is as likely to
+be a newer OpenAI feature that changes the output (as response_format, prediction and
+verbosity each were) as a harmless one, and ignoring it is the silent loss this module
+exists to prevent; the official clients send only the fields a caller sets, so a
+rejection names a field the caller chose and can drop. Harmless fields that clients
+routinely send belong in `NO_EFFECT`.
 """
 
 from __future__ import annotations
@@ -73,6 +92,9 @@ _ERROR_TYPES = {
     429: "rate_limit_error",
 }
 _UNSUPPORTED = "unsupported_parameter"  # OpenAI's own code for a parameter a model lacks
+_UNKNOWN = "unknown_parameter"  # OpenAI's code for a parameter its API does not have
+_NOT_SUPPORTED_DOC = "Not supported: any value but null is a 400 naming this field."
+_NO_EFFECT_DOC = "Accepted and ignored: it has no effect on the output."
 
 
 class ProtocolError(Exception):
@@ -97,6 +119,11 @@ class ProtocolError(Exception):
     def body(self) -> dict[str, Any]:
         error = {"message": self.message, "type": self.err_type, "param": self.param}
         return {"error": {**error, "code": self.code}}
+
+
+_UNKNOWN_MESSAGE = "unknown parameter; rejected, not ignored: this server does not implement it"
+_PYDANTIC_EXTRA_MESSAGE = "Extra inputs are not permitted"
+_CODES = {_UNSUPPORTED: _UNSUPPORTED, "extra_forbidden": _UNKNOWN}
 
 
 def _unsupported(what: str) -> PydanticCustomError:
@@ -142,13 +169,56 @@ StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 TokenId = Annotated[int, Field(ge=0)]
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+# NOTE: extra="forbid": an unknown field is a 400 naming it (the module docstring says why);
+# the schema says so too ("additionalProperties": false).
+_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+# Fields of OpenAI's API that change what the output is or means and that this server does
+# not implement: typed null (absent), any other value is a 400 naming the field.
+NOT_IMPLEMENTED = (
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "prediction",
+    "audio",
+    "reasoning_effort",
+    "verbosity",
+    "web_search_options",
+)
+# Fields that cannot change the output, accepted (and ignored) because clients send them.
+NO_EFFECT = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+)
+
+
+def _reject_unless_null(value: Any, info: ValidationInfo) -> Any:
+    if value is not None:
+        raise _unsupported(str(info.field_name))
+    return value
 
 
 class StreamOptions(BaseModel):
     model_config = _CONFIG
 
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(
+        None, description="Accepted and ignored: streamed events carry no obfuscation padding."
+    )
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: only the default, plain text, is supported."""
+
+    model_config = _CONFIG
+
+    type: Literal["text"]
 
 
 class _SamplingRequest(BaseModel):
@@ -166,27 +236,73 @@ class _SamplingRequest(BaseModel):
     seed: Int64 | None = None
     stop: Stop | None = None
     stop_token_ids: list[TokenId] | None = Field(None, description="Extension.")
-    n: int = Field(1, ge=1, description="Only 1 is supported.")
+    n: int | None = Field(1, ge=1, le=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="Extension: keep going past EOS.")
     return_token_ids: bool = Field(False, description="Extension: include token ids.")
-    user: str | None = None
-    presence_penalty: float | None = Field(0.0, ge=-2, le=2, description="Only 0 is supported.")
-    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported.")
+    presence_penalty: float | None = Field(0.0, ge=0, le=0, description="Only 0 is supported.")
+    frequency_penalty: float | None = Field(0.0, ge=0, le=0, description="Only 0 is supported.")
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=0, description="Not supported: only null or {}."
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description='Only {"type": "text"} (the default); JSON output is not supported.'
+    )
+    modalities: list[Literal["text"]] | None = Field(None, description="Only text.")
+    # NOT_IMPLEMENTED: null, or a 400 naming the field.
+    tools: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    tool_choice: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    parallel_tool_calls: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    functions: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    function_call: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    prediction: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    audio: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    reasoning_effort: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    verbosity: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    web_search_options: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    # NO_EFFECT: accepted, ignored.
+    user: str | None = Field(None, description=_NO_EFFECT_DOC)
+    metadata: dict[str, str] | None = Field(None, max_length=16, description=_NO_EFFECT_DOC)
+    store: bool | None = Field(None, description="Accepted and ignored: nothing is stored.")
+    service_tier: str | None = Field(None, description=_NO_EFFECT_DOC)
+    prompt_cache_key: str | None = Field(None, description=_NO_EFFECT_DOC)
+    safety_identifier: str | None = Field(None, description=_NO_EFFECT_DOC)
 
     @field_validator("stop", mode="wrap")
     @classmethod
     def _check_stop(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         return _validate_union(value, handler, "a string or a list of strings")
 
-    @field_validator("n")
+    _check_not_implemented = field_validator(*NOT_IMPLEMENTED, mode="before")(_reject_unless_null)
+
+    # NOTE: mode="before" validators run ahead of the schema's bounds (le=1, le=0,
+    # max_length=0), so an unsupported value is named as such, not as out of range.
+    @field_validator("n", mode="before")
     @classmethod
-    def _check_n(cls, n: int) -> int:
-        if n > 1:
+    def _check_n(cls, n: Any) -> Any:
+        if _is_int(n) and n > 1:
             raise _unsupported("n > 1")
         return n
+
+    @field_validator("modalities", mode="before")
+    @classmethod
+    def _check_modalities(cls, value: Any) -> Any:
+        if isinstance(value, list) and any(kind != "text" for kind in value):
+            raise _unsupported("output other than text")
+        return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _check_response_format(cls, value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise PydanticCustomError(
+                _UNSUPPORTED,
+                "response_format of type '{kind}' is not supported; only 'text' is",
+                {"kind": kind},
+            )
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -197,32 +313,32 @@ class _SamplingRequest(BaseModel):
             raise PydanticCustomError("invalid_value", "only allowed when stream is true")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("presence_penalty", "frequency_penalty", mode="before")
     @classmethod
-    def _check_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value:
+    def _check_penalty(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool) and value:
             raise _unsupported(f"{info.field_name} other than 0")
         return value
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
+    def _check_logit_bias(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value:
             raise _unsupported("logit_bias")
         return value
 
 
 class CompletionRequest(_SamplingRequest):
-    """``POST /v1/completions``. Unknown fields are ignored (see the module docstring)."""
+    """``POST /v1/completions``. Unknown fields are a 400 (see the module docstring)."""
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="One prompt: text, token ids, or a list holding exactly one of either."
     )
     max_tokens: int | None = Field(16, ge=1, description="null: up to the model's context.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = Field(False, description="Not supported.")
-    suffix: str | None = Field(None, description="Not supported.")
-    best_of: int | None = Field(None, ge=1, description="Only 1 is supported.")
+    echo: Literal[False] | None = Field(False, description="Not supported: only false.")
+    suffix: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    best_of: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -242,24 +358,19 @@ class CompletionRequest(_SamplingRequest):
             raise PydanticCustomError("invalid_value", "token ids must be >= 0")
         return prompt
 
-    @field_validator("echo")
+    _check_suffix = field_validator("suffix", mode="before")(_reject_unless_null)
+
+    @field_validator("echo", mode="before")
     @classmethod
-    def _check_echo(cls, echo: bool) -> bool:
-        if echo:
+    def _check_echo(cls, echo: Any) -> Any:
+        if echo is True:
             raise _unsupported("echo")
         return echo
 
-    @field_validator("suffix")
+    @field_validator("best_of", mode="before")
     @classmethod
-    def _check_suffix(cls, suffix: str | None) -> str | None:
-        if suffix is not None:
-            raise _unsupported("suffix")
-        return suffix
-
-    @field_validator("best_of")
-    @classmethod
-    def _check_best_of(cls, best_of: int | None) -> int | None:
-        if best_of is not None and best_of > 1:
+    def _check_best_of(cls, best_of: Any) -> Any:
+        if _is_int(best_of) and best_of > 1:
             raise _unsupported("best_of > 1")
         return best_of
 
@@ -289,6 +400,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # Tool calling is not implemented: a history holding calls or their results would lose
+    # them in the template, so they are rejected, not dropped.
+    tool_calls: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    tool_call_id: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    function_call: None = Field(None, description=_NOT_SUPPORTED_DOC)
+
+    _check_tools = field_validator("tool_calls", "tool_call_id", "function_call", mode="before")(
+        _reject_unless_null
+    )
 
     @field_validator("content", mode="wrap")
     @classmethod
@@ -311,7 +431,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    """``POST /v1/chat/completions``. Unknown fields are ignored (see the module docstring)."""
+    """``POST /v1/chat/completions``. Unknown fields are a 400 (see the module docstring)."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI.")
@@ -341,6 +461,10 @@ class ChatCompletionRequest(_SamplingRequest):
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def error_from_validation(errors: Sequence[Mapping[str, Any]]) -> ProtocolError:
     """A 400 naming the offending fields, from `ValidationError.errors()`.
 
@@ -353,7 +477,10 @@ def error_from_validation(errors: Sequence[Mapping[str, Any]]) -> ProtocolError:
     for error in errors:
         loc = tuple(error["loc"])
         path = _path(loc[1:] if loc[:1] == ("body",) else loc)
-        part = f"{path}: {error['msg']}" if path else str(error["msg"])
+        msg = str(error["msg"])
+        if error["type"] == "extra_forbidden":  # nested in a union, it keeps its "(at ...)"
+            msg = msg.replace(_PYDANTIC_EXTRA_MESSAGE, _UNKNOWN_MESSAGE)
+        part = f"{path}: {msg}" if path else str(msg)
         if part not in parts:
             parts.append(part)
     message = "; ".join(parts[:_MAX_REPORTED_ERRORS])
@@ -362,7 +489,7 @@ def error_from_validation(errors: Sequence[Mapping[str, Any]]) -> ProtocolError:
     first = errors[0] if errors else None
     loc = tuple(first["loc"]) if first else ()
     param = _path(loc[1:] if loc[:1] == ("body",) else loc) or None
-    code = _UNSUPPORTED if first and first["type"] == _UNSUPPORTED else None
+    code = _CODES.get(first["type"]) if first else None
     return ProtocolError(message or "invalid request", param=param, code=code)
 
 

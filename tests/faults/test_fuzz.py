@@ -1,7 +1,7 @@
 """Fuzzing every endpoint of the router: no 5xx, no hang, OpenAI's error body on every 4xx.
 
-One live cluster (`pdserve up`: the demo model, 1 prefill + 1 decode worker, a 256-token
-context, 64 KiB bodies) takes requests from two generators:
+One live cluster (`pdserve up`: a random-weights model, 1 prefill + 1 decode worker,
+disaggregated, a 256-token context, 64 KiB bodies) takes requests from two generators:
 
 - schemathesis, driven by the router's own ``/openapi.json``: bodies the schema allows
   and bodies it forbids, plus its boundary values, for every operation;
@@ -13,9 +13,11 @@ context, 64 KiB bodies) takes requests from two generators:
 Every response must come back within `REQUEST_TIMEOUT_S` with a status below 500; every
 4xx from the API carries ``{"error": {"message", "type", "param", "code"}}`` (FastAPI's
 own 404/405 for unknown paths and methods excepted); every 200 stream ends in
-``data: [DONE]`` without an error event. The module sends at least `MIN_REQUESTS`
-requests (the last test checks the count, so run the module whole) and leaves the
-cluster healthy, idle and serving.
+``data: [DONE]`` without an error event. A field the router does not implement gets a
+400 naming it, never a 200 that ignores it (through the official client too). The module
+sends at least `MIN_REQUESTS` requests (the last test checks the count, so run the module
+whole) and leaves the cluster healthy, idle and serving, with every request prefilled on
+the prefill worker (no local prefill on decode).
 
 NOTE: generation budget. A valid request costs ~3 ms per generated token on 2 CPU cores,
 so every generated body asks for at most `FUZZ_MAX_TOKENS` tokens: `cap_generation`
@@ -34,18 +36,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.benchmarks.bench_report import scrape_metrics
 from pdserve.engine.model_config import load_model_config
 from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from pdserve.router.protocol import MAX_CHAT_MESSAGES
 
 MODEL_ID = "fuzz-model"
-VOCAB_SIZE = 512  # the demo model's; checked against its config when the cluster starts
+VOCAB_SIZE = 512  # the random model's; checked against its config when the cluster starts
 MAX_MODEL_LEN = 256
 MAX_BODY_BYTES = 65536
 FUZZ_MAX_TOKENS = 4
@@ -261,9 +265,12 @@ VALID_COMMON = {
     "ignore_eos": st.booleans(),
     "return_token_ids": st.booleans(),
     "user": TEXT,
+    "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+    "store": st.booleans(),
     "presence_penalty": st.sampled_from([0, 0.0, None]),
     "logit_bias": st.sampled_from([{}, None]),
-    "tools": st.just([{"type": "function", "function": {"name": "f"}}]),  # ignored
+    "response_format": st.sampled_from([{"type": "text"}, None]),
+    "tools": st.none(),  # null is absent; any tools are a 400 (INVALID_COMMON)
 }
 INVALID_COMMON = {
     "model": st.one_of(TEXT.filter(lambda m: m != MODEL_ID), st.integers(), st.none()),
@@ -288,6 +295,13 @@ INVALID_COMMON = {
     "presence_penalty": st.floats(-2, 2).filter(bool),
     "frequency_penalty": st.one_of(st.floats(-2, 2).filter(bool), st.floats(min_value=3)),
     "logit_bias": st.dictionaries(st.text(max_size=3), st.floats(-100, 100), min_size=1),
+    # Fields that would change the output, which the router does not implement.
+    "response_format": st.sampled_from(
+        [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}]
+    ),
+    "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    "unknown_field": st.one_of(st.integers(), TEXT, st.none()),  # unknown: a 400, not ignored
     "max_tokens": st.one_of(
         st.integers(max_value=0), st.integers(min_value=MAX_MODEL_LEN), st.just("16"), st.just(1.5)
     ),
@@ -513,6 +527,16 @@ def test_edge_cases(cluster_url: str, http: requests.Session, tally: Tally) -> N
     ex = Exchange("POST", COMPLETIONS, b"(chunked)", resp.status_code, "", resp.content, elapsed)
     check_response(tally, ex)
     assert resp.status_code == 413
+    # What the router does not implement is a 400 naming it, never ignored.
+    for path, body in [
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": JSON_FORMAT}),
+        (COMPLETIONS, {"prompt": "x", "suffix": "y"}),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER_TOOL]}),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "frobnicate": True}),
+    ]:
+        resp = send(http, tally, cluster_url, path, {"model": MODEL_ID, **body})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["param"] == (set(body) - {"messages", "prompt"}).pop()
     # Unknown routes and methods: FastAPI's own 404 / 405.
     for method, path in [
         ("GET", COMPLETIONS),
@@ -521,6 +545,65 @@ def test_edge_cases(cluster_url: str, http: requests.Session, tally: Tally) -> N
         ("POST", "/"),
     ]:
         send(http, tally, cluster_url, path, b"{}", method=method)
+
+
+JSON_FORMAT = {"type": "json_object"}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def test_official_client_gets_400_naming_what_is_not_implemented(
+    cluster_url: str, tally: Tally
+) -> None:
+    """A client that asks for JSON must not get free text with a 200."""
+    client = openai.OpenAI(base_url=f"{cluster_url}/v1", api_key="unused", max_retries=0)
+    messages: Any = [{"role": "user", "content": "Reply in JSON."}]
+    chat, completions = client.chat.completions, client.completions
+    attempts: list[tuple[str, str, Any]] = [
+        (
+            "response_format",
+            CHAT,
+            lambda: chat.create(
+                model=MODEL_ID, messages=messages, max_tokens=4, response_format=JSON_FORMAT
+            ),
+        ),
+        (
+            "response_format",
+            CHAT,
+            lambda: chat.create(
+                model=MODEL_ID, messages=messages, response_format=JSON_FORMAT, stream=True
+            ),
+        ),
+        ("n", COMPLETIONS, lambda: completions.create(model=MODEL_ID, prompt="x", n=2)),
+        ("n", CHAT, lambda: chat.create(model=MODEL_ID, messages=messages, n=2)),
+        (
+            "tools",
+            CHAT,
+            lambda: chat.create(model=MODEL_ID, messages=messages, tools=[WEATHER_TOOL]),
+        ),
+        (
+            "logit_bias",
+            COMPLETIONS,
+            lambda: completions.create(model=MODEL_ID, prompt="x", logit_bias={"5": 100}),
+        ),
+    ]
+    for param, path, create in attempts:
+        with pytest.raises(openai.BadRequestError) as info:
+            create()
+        tally.statuses["POST", path, 400] += 1
+        error = info.value
+        assert (error.status_code, error.param) == (400, param), error.body
+        assert isinstance(error.body, dict) and param in error.body["message"]
+        assert error.code == "unsupported_parameter"
+    # The same client, asking only for what the router implements, is served.
+    out = client.chat.completions.create(
+        model=MODEL_ID, messages=messages, max_tokens=4, response_format={"type": "text"}, n=1
+    )
+    tally.statuses["POST", CHAT, 200] += 1
+    assert out.choices[0].message.content is not None and out.usage is not None
+    assert out.usage.completion_tokens >= 1
 
 
 # -- after the storm ------------------------------------------------------------------------
@@ -554,3 +637,12 @@ def test_cluster_is_healthy_idle_and_serving(
         time.sleep(0.2)
     assert len(workers) == 2 and all("error" not in w for w in workers), workers
     assert not busy, busy
+    # Disaggregated: every request the module sent was prefilled by the prefill worker;
+    # none fell back to prefilling on decode, for any reason.
+    assert tally.count("POST", COMPLETIONS, 200) + tally.count("POST", CHAT, 200) > 0
+    local_prefills = {
+        labels: value
+        for (name, labels), value in scrape_metrics(cluster_url).items()
+        if name == "pdserve_decode_local_prefill_total"  # by reason; absent until counted
+    }
+    assert sum(local_prefills.values()) == 0, local_prefills

@@ -14,6 +14,8 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.protocol import (
+    NO_EFFECT,
+    NOT_IMPLEMENTED,
     ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
@@ -24,6 +26,7 @@ from pdserve.router.protocol import (
 )
 
 MAX_MODEL_LEN = 128
+UNKNOWN_MESSAGE = "unknown parameter; rejected, not ignored: this server does not implement it"
 
 
 def completion(**fields: Any) -> CompletionRequest:
@@ -115,10 +118,99 @@ def test_prompt_forms(prompt: Any, expected: str | list[int]) -> None:
     assert completion(prompt=prompt).prompt_input() == expected
 
 
-def test_stream_options_and_unknown_fields() -> None:
-    req = completion(stream=True, stream_options={"include_usage": True}, tools=[], metadata={})
+def test_stream_options() -> None:
+    req = completion(stream=True, stream_options={"include_usage": True})
     assert req.stream_options is not None and req.stream_options.include_usage
-    assert not hasattr(req, "tools")
+    req = chat(stream=True, stream_options={"include_usage": False, "include_obfuscation": True})
+    assert req.stream_options is not None and not req.stream_options.include_usage
+
+
+# Values clients send for the fields that cannot change the output (NO_EFFECT), and the
+# no-op values of fields that otherwise would.
+HARMLESS: dict[str, Any] = {
+    "user": "u-1",
+    "metadata": {"team": "search"},
+    "store": True,
+    "service_tier": "auto",
+    "prompt_cache_key": "k",
+    "safety_identifier": "s",
+    "n": None,
+    "best_of": 1,
+    "logit_bias": {},
+    "presence_penalty": 0,
+    "frequency_penalty": 0.0,
+    "response_format": {"type": "text"},
+    "modalities": ["text"],
+    **dict.fromkeys(NOT_IMPLEMENTED),  # null means absent
+}
+
+
+@pytest.mark.parametrize("make", [completion, chat], ids=["completion", "chat"])
+def test_harmless_fields_are_accepted_and_change_nothing(make: Any) -> None:
+    assert set(NO_EFFECT) <= set(HARMLESS)
+    fields = dict(HARMLESS)
+    if make is chat:
+        fields.pop("best_of")  # a completions field
+    plain = to_sampling_params(make(), prompt_len=10, max_model_len=MAX_MODEL_LEN)
+    for name, value in fields.items():
+        req = make(**{name: value})
+        assert to_sampling_params(req, 10, MAX_MODEL_LEN) == plain, name
+    assert to_sampling_params(make(**fields), 10, MAX_MODEL_LEN) == plain
+
+
+# What each field does. A field added to a request class must be put in one group here: the
+# test below fails for one that is parsed and then silently ignored.
+USED = {
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "stream",
+    "stream_options", "ignore_eos", "return_token_ids", "add_generation_prompt",
+}  # fmt: skip
+# Supported only at their no-op value; any other is a 400 naming the field.
+NO_OP_ONLY = {
+    "n", "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
+    "response_format", "modalities",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", [CompletionRequest, ChatCompletionRequest])
+def test_every_field_is_used_no_op_or_rejected(cls: type[Any]) -> None:
+    groups = [USED, NO_OP_ONLY, set(NOT_IMPLEMENTED), set(NO_EFFECT)]
+    assert sum(len(group) for group in groups) == len(set().union(*groups))  # disjoint
+    assert set(cls.model_fields) <= set().union(*groups)
+    assert set(NOT_IMPLEMENTED) | set(NO_EFFECT) <= set(cls.model_fields)
+
+
+@pytest.mark.parametrize("name", NOT_IMPLEMENTED)
+@pytest.mark.parametrize("make", [completion, chat], ids=["completion", "chat"])
+def test_not_implemented_fields_are_rejected_by_name(make: Any, name: str) -> None:
+    for value in ([{"type": "function", "function": {"name": "f"}}], "auto", False, {}, 0):
+        error = rejection(make, **{name: value})
+        assert (error.status_code, error.param, error.code) == (400, name, "unsupported_parameter")
+        assert error.message == f"{name}: {name} is not supported"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "where"),
+    [
+        ({"foo": 1}, "foo", ""),
+        ({"Temperature": 0.5}, "Temperature", ""),  # a misspelling is not silently the default
+        ({"stream": True, "stream_options": {"x": 1}}, "stream_options.x", ""),
+        ({"messages": [{"role": "user", "content": "x", "weight": 0}]}, "messages[0].weight", ""),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]},
+            "messages[0].content",  # a union's error names the field, then where in it
+            " (at [0].y)",
+        ),
+    ],
+)
+def test_unknown_fields_are_rejected_by_name(
+    fields: dict[str, Any], param: str, where: str
+) -> None:
+    error = rejection(chat, **fields)
+    assert (error.status_code, error.param, error.code) == (400, param, "unknown_parameter")
+    assert error.message == f"{param}: {UNKNOWN_MESSAGE}{where}"
+    error = rejection(completion, foo=1)
+    assert (error.param, error.code) == ("foo", "unknown_parameter")
 
 
 # (request class, fields, param named, fragment of the message)
@@ -138,6 +230,41 @@ REJECTED = [
     (CompletionRequest, {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     (CompletionRequest, {"frequency_penalty": 1}, "frequency_penalty", "not supported"),
     (CompletionRequest, {"logit_bias": {"1": 2.0}}, "logit_bias", "not supported"),
+    (CompletionRequest, {"presence_penalty": 5}, "presence_penalty", "not supported"),
+    (CompletionRequest, {"best_of": 1.5}, "best_of", "valid integer"),
+    (CompletionRequest, {"echo": "yes"}, "echo", "Input should be False"),
+    (
+        CompletionRequest,
+        {"response_format": {"type": "json_object"}},
+        "response_format",
+        "response_format of type 'json_object' is not supported",
+    ),
+    (
+        ChatCompletionRequest,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format",
+        "response_format of type 'json_schema' is not supported",
+    ),
+    (ChatCompletionRequest, {"response_format": {}}, "response_format.type", "Field required"),
+    (ChatCompletionRequest, {"modalities": ["text", "audio"]}, "modalities", "not supported"),
+    (
+        ChatCompletionRequest,
+        {"logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        "less than or equal to 20",
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+        "messages[0].tool_calls",
+        "tool_calls is not supported",
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c"}]},
+        "messages[0].tool_call_id",
+        "tool_call_id is not supported",
+    ),
     (CompletionRequest, {"stop": ["s"] * 17}, "stop", "at most 16 items"),
     (CompletionRequest, {"stop": ["ok", "x" * 257]}, "stop", "at most 256 characters"),
     (CompletionRequest, {"stop": ""}, "stop", "at least 1 character"),
@@ -206,6 +333,7 @@ def test_missing_field_and_several_errors() -> None:
 def test_unsupported_code() -> None:
     assert rejection(completion, n=2).code == "unsupported_parameter"
     assert rejection(completion, temperature=9).code is None
+    assert rejection(chat, response_format={"type": "json_object"}).code == "unsupported_parameter"
 
 
 def test_body_shape() -> None:
@@ -300,6 +428,36 @@ def test_json_schema_documents_bounds() -> None:
     assert stop_list["maxItems"] == 16 and stop_list["items"]["maxLength"] == 256
     chat_props = ChatCompletionRequest.model_json_schema()["properties"]
     assert chat_props["messages"]["maxItems"] == 1024
+
+
+def _schema_of(props: dict[str, Any], name: str, kind: str) -> dict[str, Any]:
+    return next(s for s in props[name].get("anyOf", [props[name]]) if s.get("type") == kind)
+
+
+@pytest.mark.parametrize("cls", [CompletionRequest, ChatCompletionRequest])
+def test_json_schema_tells_what_is_rejected(cls: type[Any]) -> None:
+    """/openapi.json is built from these schemas; the fuzz test sends what they allow."""
+    schema = cls.model_json_schema()
+    props = schema["properties"]
+    assert schema["additionalProperties"] is False
+    for name, model in schema["$defs"].items():
+        assert model["additionalProperties"] is False, name
+    for name in NOT_IMPLEMENTED:
+        assert props[name]["type"] == "null", name
+    assert _schema_of(props, "n", "integer")["maximum"] == 1
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        number = _schema_of(props, penalty, "number")
+        assert (number["minimum"], number["maximum"]) == (0, 0)
+    assert _schema_of(props, "logit_bias", "object")["maxProperties"] == 0
+    response_format = schema["$defs"]["ResponseFormat"]["properties"]["type"]
+    assert response_format["const"] == "text"
+    if cls is CompletionRequest:
+        assert props["suffix"]["type"] == "null"
+        assert _schema_of(props, "best_of", "integer")["maximum"] == 1
+        assert _schema_of(props, "echo", "boolean")["const"] is False
+    else:
+        message = schema["$defs"]["ChatMessage"]["properties"]
+        assert all(message[f]["type"] == "null" for f in ("tool_calls", "tool_call_id"))
 
 
 def test_import_does_not_pull_torch() -> None:
