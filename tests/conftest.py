@@ -304,6 +304,19 @@ class Api:
         return sample(scrape_metrics(url), name, **labels)
 
     @staticmethod
+    def local_prefills(url: str) -> dict[str, float]:
+        """`pdserve_decode_local_prefill_total` by reason, reasons still at 0 left out.
+
+        A disaggregated test ends with `assert api.local_prefills(url) == {}` (the split
+        happened for every request), or names the failure it injected.
+        """
+        return {
+            dict(labels)["reason"]: value
+            for (name, labels), value in scrape_metrics(url).items()
+            if name == "pdserve_decode_local_prefill_total" and value
+        }
+
+    @staticmethod
     def greedy(client: Any, model: str, prompt: list[int], max_tokens: int) -> list[int]:
         """A greedy completion's token ids (eos ignored), through the official client."""
         out = client.completions.create(**_greedy_args(model, prompt, max_tokens))

@@ -2,7 +2,8 @@
 
 The cluster tests run every workload once on one cluster and check that the report's
 numbers are the requests sent: counts, successes, prompt and output token totals (the
-server's own usage and /metrics deltas must agree), and that the files are written. The
+server's own usage and /metrics deltas must agree), and that the files are written; the
+cluster is disaggregated, and every test ends with no prompt prefilled on decode. The
 client-deadline tests use a small HTTP server on a real socket that streams a few SSE
 chunks and then goes silent, and check that the benchmark gives up within its deadline
 and closes the connection (the server sees it go away).
@@ -119,7 +120,7 @@ def bench(url: str, workload: Workload, arrival: Any, out_dir: Path, **kw: Any) 
     ids=lambda v: getattr(v, "name", ""),
 )
 def test_synthetic_workload_reports_what_it_sent(
-    cluster_url: str, tmp_path: Path, workload: Workload, check: Any
+    api: Any, cluster_url: str, tmp_path: Path, workload: Workload, check: Any
 ) -> None:
     bench(cluster_url, workload, Poisson(RATE, seed=3), tmp_path, num_requests=NUM_REQUESTS)
     (run,) = read_json(tmp_path)["runs"]
@@ -132,10 +133,11 @@ def test_synthetic_workload_reports_what_it_sent(
         assert {r["kind"] for r in requests} == {"long-prompt", "long-output"}
     if isinstance(workload, ShareGPTLike):  # lengths drawn, not fixed
         assert len({(r["prompt_len"], r["output_len"]) for r in requests}) > NUM_REQUESTS // 2
+    assert api.local_prefills(cluster_url) == {}, "the disaggregated cluster kept the split"
 
 
 def test_trace_replays_its_prompts_and_timestamps(
-    cluster_url: str, tmp_path: Path, demo_model_dir: Path
+    api: Any, cluster_url: str, tmp_path: Path, demo_model_dir: Path
 ) -> None:
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps(e) for e in TRACE) + "\n\n")
@@ -153,10 +155,11 @@ def test_trace_replays_its_prompts_and_timestamps(
     check_run(read_json(tmp_path / "out")["runs"][0], want)
     starts = [r.start_s for r in sorted(result.records, key=lambda r: r.index)]
     assert starts[2] - starts[0] >= 0.05 - 0.005  # replayed at its own (relative) times
+    assert api.local_prefills(cluster_url) == {}
 
 
 def test_cli_rate_sweep_prints_the_table_and_plots_goodput(
-    cluster_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    api: Any, cluster_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out_dir = tmp_path / "sweep"
     argv = ["bench", "--url", cluster_url, "--workload", "shared-prefix", "--rate", "40,80"]
@@ -174,6 +177,7 @@ def test_cli_rate_sweep_prints_the_table_and_plots_goodput(
     # The second run sends the same prompts again: its prefixes are cached by then.
     assert runs[1]["summary"]["server"]["prefix_hit_rate"]["prefill"] > 0
     assert (out_dir / "goodput_vs_rate.png").read_bytes().startswith(b"\x89PNG")
+    assert api.local_prefills(cluster_url) == {}
 
 
 # -- client deadlines, against a server that misbehaves -----------------------------------

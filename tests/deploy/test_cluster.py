@@ -2,7 +2,9 @@
 
 Every mode and transport must return exactly `transformers`' greedy tokens for a tiny
 random float32 checkpoint. Placement and leases are checked on the disaggregated gRPC
-cluster through what an operator sees: `/metrics`, `/workers` and `/health`.
+cluster through what an operator sees: `/metrics`, `/workers` and `/health`. Every test
+on a disaggregated cluster ends by checking that no decode worker prefilled a prompt
+itself (`pdserve_decode_local_prefill_total` is 0 for every reason).
 """
 
 from __future__ import annotations
@@ -85,6 +87,16 @@ def cluster(
         yield request.param, url
 
 
+@pytest.fixture(autouse=True)
+def _split_held(request: pytest.FixtureRequest, api: Any) -> Iterator[None]:
+    """Every test on a disaggregated cluster ends with no prompt prefilled on decode."""
+    yield
+    if "cluster" in request.fixturenames:
+        name, url = request.getfixturevalue("cluster")
+        if name.startswith("disagg"):
+            assert api.local_prefills(url) == {}, f"{name}: a request bypassed the split"
+
+
 def client(url: str, api_key: str = API_KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=120, max_retries=0)
 
@@ -133,7 +145,6 @@ def test_greedy_completions_equal_transformers(
         assert out.choices[0].finish_reason == "length"
     if name.startswith("disagg"):
         assert metric(url, "pdserve_kv_transfer_blocks_total") > 0
-        assert metric(url, "pdserve_decode_local_prefill_fallbacks_total") == 0
     else:
         assert metric(url, "pdserve_kv_transfer_blocks_total") == 0
     assert_workers_idle(url)

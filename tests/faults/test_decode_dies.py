@@ -3,7 +3,9 @@
 Real cluster (`pdserve up`, 1 prefill + 2 decode workers), a tiny float32 checkpoint,
 the official client. The replica serving a long greedy stream is SIGKILLed after a few
 tokens; the client must receive exactly `transformers`' greedy tokens, with no gap and
-no duplicate, and afterwards no KV block may be referenced and no transfer pending.
+no duplicate, and afterwards no KV block may be referenced and no transfer pending. The
+only prompt a decode worker prefilled itself is the resumed one (it prefills the tokens
+streamed so far on purpose).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def test_a_stream_survives_its_decode_worker_dying(
         assert killed is not None
         assert got == want, "the resumed stream must continue exactly where it broke"
         assert api.metric(url, "pdserve_decode_resumes_total") == 1.0
+        assert api.local_prefills(url) == {"resume": 1.0}
         for w in api.get_json(f"{url}/workers")["workers"]:
             if w["worker_id"] != killed["worker_id"] and "error" not in w:
                 assert (w["running"], w["kv_blocks_used"]) == (0, 0), w

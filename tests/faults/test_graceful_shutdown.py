@@ -36,11 +36,15 @@ def test_sigterm_lets_the_stream_in_flight_finish(
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         stream = api.greedy_stream(client, client.models.list().data[0].id, prompt, MAX_TOKENS)
         got: list[int] = []
+        local = None
         for chunk in stream:
             got += chunk.choices[0].model_extra["token_ids"]
             if len(got) == 8:
+                # counted before the first token left the router: read before draining
+                local = api.local_prefills(url)
                 proc.send_signal(signal.SIGTERM)  # mid-stream
         assert got == want, "the stream must finish, not break, when the cluster drains"
+        assert local == {}, "the stream's prompt must have been prefilled by the prefill pool"
         assert proc.wait(STOP_TIMEOUT_S) == 0
     finally:
         if proc.poll() is None:

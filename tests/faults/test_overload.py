@@ -91,3 +91,4 @@ def test_a_flood_is_shed_with_429_and_leaves_nothing_behind(
             assert w.get("pending_transfers", 0) == 0, w
         # Requests whose clients hung up before their last token were aborted, not run on.
         assert sum(w["aborted"] for w in workers) > aborted_before
+        assert api.local_prefills(url) == {}, "the flood must not bypass the split"

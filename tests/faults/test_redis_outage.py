@@ -1,10 +1,12 @@
 """Redis goes away and comes back: serving never stops, the index is rebuilt.
 
-While Redis is down the router places by load only (every request still gets the
-reference tokens, `/health` says "degraded"); when it returns, the workers register again
-and republish what they hold, so placement by cached prefix works again: a request
-sharing a prefix that the decode worker cached before the outage ships only the blocks
-it lacks.
+While Redis is down Ray Serve picks the workers, and the split still happens: every
+request still gets the reference tokens, the prefill worker pushes every block of each
+prompt to the decode worker that took it (`pdserve_kv_transfer_blocks_total` keeps
+rising), no decode worker prefills a prompt itself, and `/health` says "degraded". When
+Redis returns, the workers register again and republish what they hold, so placement by
+cached prefix works again: a request sharing a prefix that the decode worker cached
+before the outage ships only the blocks it lacks.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ def test_serving_survives_a_redis_outage_and_the_index_is_rebuilt(
     rng = random.Random(21)
     shared = [rng.randrange(5, 512) for _ in range(10 * BLOCK_SIZE)]
     first = shared + [rng.randrange(5, 512) for _ in range(5)]
-    during = [rng.randrange(5, 512) for _ in range(30)]
+    during = [[rng.randrange(5, 512) for _ in range(30 + 7 * i)] for i in range(3)]
     after = shared + [rng.randrange(5, 512) for _ in range(19)]
-    want = hf_greedy(model_dir, [first, during, after], MAX_TOKENS)
+    want = hf_greedy(model_dir, [first, *during, after], MAX_TOKENS)
     redis = EmbeddedRedis().start()
     flags = (
         *("--prefill-replicas", "1", "--decode-replicas", "1", "--replica-cpus", "0"),
@@ -50,7 +52,12 @@ def test_serving_survives_a_redis_outage_and_the_index_is_rebuilt(
             assert greedy(first) == want[0]
             redis.stop()
             assert api.get_json(f"{url}/health", any_status=True)["status"] == "degraded"
-            assert greedy(during) == want[1], "load-only placement must still serve"
+            for prompt, ref in zip(during, want[1:4], strict=True):
+                blocks_before = api.metric(url, "pdserve_kv_transfer_blocks_total")
+                assert greedy(prompt) == ref, "placement without the index must still serve"
+                blocks = api.metric(url, "pdserve_kv_transfer_blocks_total") - blocks_before
+                assert blocks == -(-len(prompt) // BLOCK_SIZE), "the prefill pool must push"
+            assert api.local_prefills(url) == {}, "no request may bypass the split"
 
             redis = EmbeddedRedis(port=redis.port).start()  # empty: the index is gone
             deadline = time.monotonic() + REJOIN_DEADLINE_S
@@ -65,7 +72,7 @@ def test_serving_survives_a_redis_outage_and_the_index_is_rebuilt(
             }
 
             sent_before = api.metric(url, "pdserve_kv_transfer_bytes_total")
-            assert greedy(after) == want[2]
+            assert greedy(after) == want[4]
             sent = api.metric(url, "pdserve_kv_transfer_bytes_total") - sent_before
             # float32, 2 layers, K and V, 2 kv heads, head_dim 16
             block_bytes = 2 * 2 * 2 * BLOCK_SIZE * 16 * 4
@@ -74,5 +81,6 @@ def test_serving_survives_a_redis_outage_and_the_index_is_rebuilt(
             for w in api.get_json(f"{url}/workers")["workers"]:
                 assert (w["running"], w["waiting"], w["kv_blocks_used"]) == (0, 0, 0), w
                 assert w.get("pending_transfers", 0) == 0, w
+            assert api.local_prefills(url) == {}
     finally:
         redis.stop()

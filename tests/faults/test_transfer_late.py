@@ -1,10 +1,11 @@
 """KV that arrives after the decode worker stopped waiting: local prefill, nothing leaks.
 
 The decode workers here wait only 1 ms for pushed KV, so every push is late: each decode
-worker must prefill locally and still return the reference tokens, the late push must be
-refused and freed on both sides, and afterwards no block is referenced and no transfer
-pending. (Corrupted and truncated transfers end in the same fallback; the transport's
-conformance suite, tests/kv_transfer, shows them refused and freed on both sides.)
+worker must prefill locally (counted with reason "kv_late", and nothing else) and still
+return the reference tokens, the late push must be refused and freed on both sides, and
+afterwards no block is referenced and no transfer pending. (Corrupted and truncated
+transfers end in the same fallback; the transport's conformance suite, tests/kv_transfer,
+shows them refused and freed on both sides.)
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ def test_late_kv_falls_back_to_local_prefill_and_is_freed(
     with pdserve_up(model_dir, *flags) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
-        fallbacks = api.metric(url, "pdserve_decode_local_prefill_fallbacks_total")
+        before = api.local_prefills(url)  # `pdserve up`'s readiness probe was late too
+        assert set(before) <= {"kv_late"}, before
         for prompt, ref in zip(prompts, want, strict=True):
             assert api.greedy(client, model, prompt, MAX_TOKENS) == ref
-        fallbacks = api.metric(url, "pdserve_decode_local_prefill_fallbacks_total") - fallbacks
-        assert fallbacks == NUM_REQUESTS, "every decode worker must have prefilled itself"
+        local = api.local_prefills(url)
+        assert set(local) == {"kv_late"}, local
+        late = local["kv_late"] - before.get("kv_late", 0)
+        assert late == NUM_REQUESTS, "every decode worker must have prefilled itself"
         assert api.metric(url, "pdserve_kv_transfer_failures_total") >= NUM_REQUESTS
         for w in api.get_json(f"{url}/workers")["workers"]:
             assert (w["running"], w["waiting"], w["kv_blocks_used"]) == (0, 0, 0), w
