@@ -4,7 +4,9 @@ A burst of long prompts must grow the prefill pool and leave decode alone; a bur
 long outputs must grow decode and leave prefill alone; both return to their minimum
 afterwards, and requests sent while replicas are removed all complete with the
 reference tokens. Replica counts are read where placement reads them: the index,
-through `/health`.
+through `/health`. Throughout, the split holds: no decode worker prefills a prompt
+itself, not even when Ray Serve gives a call to another replica than the one placement
+chose (a replica being added or removed).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class Load:
 
 
 def test_each_pool_scales_on_its_own_signal(
-    make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
 ) -> None:
     # Big enough that a 600-token prefill takes tens of ms: with the smallest checkpoint
     # prefill kept up with 8 users and the queue (the prefill signal) often stayed empty.
@@ -146,6 +148,7 @@ def test_each_pool_scales_on_its_own_signal(
         assert load.results, "the trickle sent nothing during scale-down"
         assert all(want[tuple(p)] == got for p, got in load.results)
         assert counts(url) == {"prefill": 1, "decode": 1}
+        assert api.local_prefills(url) == {}, "a request bypassed the split"
 
 
 async def _model_id(url: str) -> str:
