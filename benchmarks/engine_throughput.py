@@ -36,11 +36,11 @@ from typing import Any, NamedTuple
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.demo_model import write_demo_model
+from pdserve.engine.demo_model import write_random_model
 from pdserve.engine.model import LlamaModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-MAX_PROMPT_ID = 512  # the demo tokenizer's vocab; the engine is given ids only
+MAX_PROMPT_ID = 512  # the random model tokenizer's vocab; the engine is given ids only
 BLOCK_SIZE = 16  # the engine's default KV block size
 BANDWIDTH_BUFFER_BYTES = 256 << 20
 BANDWIDTH_REPEATS = 5
@@ -476,7 +476,7 @@ def main() -> None:
     rows: list[Row] = []
     decodes: list[DecodeRow] = []
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
-        tokenizer_dir = write_demo_model(Path(tmp) / "demo")
+        tokenizer_dir = write_random_model(Path(tmp) / "random")
         model_dirs = {
             name: build_checkpoint(MODELS[name], Path(tmp) / name, tokenizer_dir)
             for name in model_names

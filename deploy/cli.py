@@ -20,7 +20,7 @@ def _add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="HF model folder (default: the built-in demo model, written on first use)",
+        help="HF model folder (default: the built-in demo model, trained on first use)",
     )
 
 
@@ -47,9 +47,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from pdserve.engine.demo_model import write_demo_model
+    from pdserve.engine.demo_model import EXPECTED_TRAIN_S, copy_demo_model, write_demo_model
 
-    path = write_demo_model(args.dir, seed=args.seed)
+    if args.seed is None:  # the demo every `--model` default serves: trained once, cached
+        path = copy_demo_model(args.dir)
+    else:
+        print(
+            f"training a demo model with seed {args.seed} (~{EXPECTED_TRAIN_S} s)", file=sys.stderr
+        )
+        path = write_demo_model(args.dir, seed=args.seed)
     print(f"wrote the demo model to {path}")
     return 0
 
@@ -303,9 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_bench_parser(sub)
 
-    demo = sub.add_parser("demo-model", help="write the built-in demo checkpoint to DIR")
+    demo = sub.add_parser(
+        "demo-model",
+        help="write the built-in demo checkpoint to DIR (trained on first use, then cached)",
+    )
     demo.add_argument("dir")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--seed", type=int, default=None, help="train a variant with this seed (not cached)"
+    )
     demo.set_defaults(func=_demo_model)
     return parser
 

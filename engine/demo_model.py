@@ -1,48 +1,56 @@
-"""A tiny, deterministic Llama checkpoint built locally: the default of every `--model`.
+"""The built-in demo model, the default of every `--model`: a tiny Llama trained locally.
 
 `write_demo_model` writes a complete Hugging Face model folder (config, generation config,
 safetensors weights, a byte-level BPE tokenizer trained on the packaged demo corpus, and a
-ChatML chat template) from nothing but a seed, so demos and tests never touch a model hub.
-The same seed gives byte-identical files. The weights are random: the model talks
-gibberish, but every serving path must produce exactly the tokens `transformers` does.
+ChatML chat template) from nothing but that corpus and a seed, so demos and tests never
+touch a model hub. The weights are trained on the corpus (demo_training.py, about 40 s
+on one core), so a newcomer's first completion reads as words, mostly the corpus's own,
+and a chat reply is a sentence that ends the turn; the same seed gives byte-identical
+files on one machine (not across machines: float rounding follows the CPU's kernels).
+`default_model_dir` trains it once and caches it under `$PDSERVE_CACHE_DIR`.
 
-This module is runtime code: it uses torch, safetensors and tokenizers, never transformers.
+`write_random_model` writes the same format with random weights (and a 512-token
+vocabulary) in well under a second: the checkpoint for tests and benchmarks that need a
+model, not sensible text. Every serving path must produce exactly the tokens
+`transformers` does, for either.
+
+This module is runtime code: it uses torch, safetensors, tokenizers and jinja2, never
+transformers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import itertools
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-DEMO_MODEL_VERSION = "v1"
+from pdserve.engine.demo_training import TrainConfig, train_demo_weights
+
+DEMO_MODEL_VERSION = "v2"
 CACHE_DIR_ENV = "PDSERVE_CACHE_DIR"
 
 # NOTE: the order fixes the ids: <unk>=0, <s>=1, </s>=2, <|im_start|>=3, <|im_end|>=4.
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN = SPECIAL_TOKENS
-VOCAB_SIZE = 512
-
-HIDDEN_SIZE = 128
-INTERMEDIATE_SIZE = 352
-NUM_LAYERS = 4
-NUM_HEADS = 4
-NUM_KV_HEADS = 2
-HEAD_DIM = 32
 MAX_POSITION_EMBEDDINGS = 2048
-INIT_STD = 0.02
-NORM_NOISE_STD = 0.05
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -52,43 +60,144 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The Llama dimensions a model folder's config.json records."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+# The random-weights model (`write_random_model`): what the demo was before it was trained.
+RANDOM_SHAPE = ModelShape(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=352,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
+INIT_STD = 0.02
+NORM_NOISE_STD = 0.05
+
+# The trained demo. A 2048-token vocabulary makes three quarters of the corpus's words
+# single tokens, so even a model this small mostly emits whole words. The schedule was
+# tuned by the loss on the corpus it reaches within the time budget (a newcomer's first
+# `pdserve up` waits for it, and CI builds it twice): about 40 s on one core. Fewer steps
+# lose much (260: a loss of 1.8 against 1.43), a peak rate of 7e-3 did worse (1.48).
+DEMO_SHAPE = ModelShape(
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=352,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
+DEMO_TRAINING = TrainConfig(
+    vocab_size=DEMO_SHAPE.vocab_size,
+    hidden_size=DEMO_SHAPE.hidden_size,
+    intermediate_size=DEMO_SHAPE.intermediate_size,
+    num_layers=DEMO_SHAPE.num_layers,
+    num_heads=DEMO_SHAPE.num_heads,
+    num_kv_heads=DEMO_SHAPE.num_kv_heads,
+    head_dim=DEMO_SHAPE.head_dim,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    seq_len=128,
+    batch_size=8,
+    steps=300,
+    peak_lr=5e-3,
+    final_lr=5e-4,
+    warmup_steps=30,
+    weight_decay=0.0,  # no decay: memorising the corpus is the point
+    init_std=INIT_STD,
+    seed=0,
+    # NOTE: one thread, always: the bytes depend on the thread count (float reductions
+    # split differently), 2 threads were only 1.3x faster on 2 cores, and 2 OpenMP
+    # threads stall badly on a busy 2-core machine.
+    num_threads=1,
+)
+EXPECTED_TRAIN_S = 40  # on one core of the 2-core CI machine; only for the message
+
 # Files whose presence marks a finished folder (folders appear only by atomic rename).
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+_QUESTION_ANSWER = re.compile(r"^Question: (.+)\nAnswer: (.+)$", re.MULTILINE)
+_SENTENCE_START = re.compile(r"[.!?][\"')]?[ \t]+|\n+")
+_SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')]))[ \t]+")
+
+Progress = Callable[[str], None]
 
 
-def write_demo_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the demo model folder to `out_dir` and return its path.
+def print_progress(message: str) -> None:
+    """The default progress sink: a line on stderr (stdout may be a pipe a caller reads)."""
+    print(message, file=sys.stderr, flush=True)
 
-    The files are built in a temporary sibling folder and renamed into place, so a crash
+
+def write_demo_model(
+    out_dir: str | Path, seed: int = 0, progress: Progress | None = print_progress
+) -> Path:
+    """Train the demo model and write its folder to `out_dir`; return the path.
+
+    Trains for about EXPECTED_TRAIN_S seconds; `progress` gets a line now and then.
+    The same seed gives byte-identical files on one machine (see demo_training). The
+    files are built in a temporary sibling folder and renamed into place, so a crash
     never leaves a half-written `out_dir`. An existing `out_dir` is replaced.
     """
-    out = Path(out_dir).expanduser().absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; a shared cache must stay readable
-        _write_files(tmp, seed)
-        _move_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return _write_atomically(out_dir, lambda tmp: _write_trained(tmp, seed, progress))
 
 
-def default_model_dir() -> Path:
-    """Return the cached demo model folder, writing it on first use.
+def write_random_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a random-weights Llama folder in the demo's format (vocabulary of 512, the
+    same special tokens and chat template) to `out_dir`, in well under a second.
 
-    `$PDSERVE_CACHE_DIR` (else `~/.cache/pdserve`) / `demo-model-{DEMO_MODEL_VERSION}`.
-    A file lock makes racing processes write it once; all of them return a valid folder.
+    For tests and benchmarks that need a checkpoint and a tokenizer, not sensible text.
+    The same seed gives byte-identical files; the write is atomic as `write_demo_model`'s.
     """
-    cache_dir = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pdserve")
-    model_dir = cache_dir.expanduser().absolute() / f"demo-model-{DEMO_MODEL_VERSION}"
+    return _write_atomically(out_dir, lambda tmp: _write_random(tmp, seed))
+
+
+def default_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """Return the cached demo model folder, training it on first use.
+
+    `cache_dir` (default `$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`) /
+    `demo-model-{DEMO_MODEL_VERSION}`. A file lock makes racing processes train it once;
+    all of them return a valid folder. Training prints its progress on stderr.
+    """
+    if cache_dir is None:
+        cache_dir = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pdserve"
+    root = Path(cache_dir).expanduser().absolute()
+    model_dir = root / f"demo-model-{DEMO_MODEL_VERSION}"
     if _is_complete(model_dir):
         return model_dir
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
     with _file_lock(model_dir.with_name(f".{model_dir.name}.lock")):
         if not _is_complete(model_dir):
+            print_progress(f"training the demo model (first use, ~{EXPECTED_TRAIN_S} s)")
             write_demo_model(model_dir)
+            print_progress(f"cached the demo model in {model_dir}")
     return model_dir
+
+
+def copy_demo_model(out_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Copy the cached demo model (training it first if it is not cached) to `out_dir`.
+
+    `pdserve demo-model DIR`: the same bytes as the cache, without a second training.
+    The copy is atomic as `write_demo_model`'s.
+    """
+    source = default_model_dir(cache_dir)
+
+    def copy(tmp: Path) -> None:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+
+    return _write_atomically(out_dir, copy)
 
 
 def resolve_model(model: str | Path | None) -> Path:
@@ -101,31 +210,111 @@ def resolve_model(model: str | Path | None) -> Path:
     return Path(model).expanduser()
 
 
-def _write_files(model_dir: Path, seed: int) -> None:
-    tokenizer = _train_tokenizer()
+def _write_atomically(out_dir: str | Path, write: Callable[[Path], None]) -> Path:
+    out = Path(out_dir).expanduser().absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; a shared cache must stay readable
+        write(tmp)
+        _move_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_trained(model_dir: Path, seed: int, progress: Progress | None) -> None:
+    tokenizer = _train_tokenizer(DEMO_SHAPE.vocab_size)
+    config = dataclasses.replace(DEMO_TRAINING, seed=seed)
+    examples = training_examples(tokenizer, _corpus(), config.seq_len)
+    started = time.monotonic()
+
+    def report(step: int, loss: float) -> None:
+        if progress is not None:
+            elapsed = time.monotonic() - started
+            progress(f"  step {step}/{config.steps}, loss {loss:.2f}, {elapsed:.0f} s")
+
+    weights = train_demo_weights(examples, config, report)
+    _write_folder(model_dir, tokenizer, DEMO_SHAPE, weights)
+
+
+def _write_random(model_dir: Path, seed: int) -> None:
+    tokenizer = _train_tokenizer(RANDOM_SHAPE.vocab_size)
+    _write_folder(model_dir, tokenizer, RANDOM_SHAPE, _random_weights(RANDOM_SHAPE, seed))
+
+
+def _write_folder(
+    model_dir: Path, tokenizer: Tokenizer, shape: ModelShape, weights: dict[str, torch.Tensor]
+) -> None:
     tokenizer.save(str(model_dir / "tokenizer.json"), pretty=True)
     ids = {token: _token_id(tokenizer, token) for token in SPECIAL_TOKENS}
     _write_json(model_dir / "tokenizer_config.json", _tokenizer_config(ids))
     _write_json(model_dir / "special_tokens_map.json", _special_tokens_map())
-    _write_json(model_dir / "config.json", _model_config(ids))
+    _write_json(model_dir / "config.json", _model_config(ids, shape))
     generation_config = {
         "bos_token_id": ids[BOS_TOKEN],
         "eos_token_id": [ids[EOS_TOKEN], ids[IM_END_TOKEN]],
     }
     _write_json(model_dir / "generation_config.json", generation_config)
-    save_file(_random_weights(seed), str(model_dir / "model.safetensors"), {"format": "pt"})
+    save_file(weights, str(model_dir / "model.safetensors"), {"format": "pt"})
 
 
-def _train_tokenizer() -> Tokenizer:
+def _corpus() -> str:
+    corpus = resources.files("pdserve.engine.data").joinpath("demo_corpus.txt")
+    return corpus.read_text(encoding="utf-8")
+
+
+def training_examples(tokenizer: Tokenizer, text: str, seq_len: int) -> list[list[int]]:
+    """The demo's training examples: token id lists of seq_len + 1 (or fewer at the end).
+
+    Text: a window from every sentence and paragraph start, after <s> as a prompt is, so
+    "The river" (no leading space, unlike mid-sentence " The") continues as the corpus
+    does. Chat: one-sentence exchanges rendered with the chat template, packed into
+    windows: each corpus question with its answer's first sentence, and each sentence of
+    a paragraph answered by the next. A reply is one sentence and <|im_end|>, a pattern a
+    model this small learns quickly, so a chat answer ends by itself.
+    """
+    examples = []
+    starts = {0} | {match.end() for match in _SENTENCE_START.finditer(text)}
+    for start in sorted(starts):
+        # The corpus averages under 4 characters a token: 16 a token is plenty (a start
+        # this leaves short is near the end, and covered by earlier windows).
+        ids = tokenizer.encode(text[start : start + 16 * seq_len]).ids
+        if len(ids) > seq_len:
+            examples.append(ids[: seq_len + 1])
+    template = jinja2.Template(CHAT_TEMPLATE)
+    chats: list[int] = []
+    for user, assistant in _chat_pairs(text):
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        rendered = template.render(messages=messages, bos_token=BOS_TOKEN)
+        chats += tokenizer.encode(rendered, add_special_tokens=False).ids
+    examples += [chats[i : i + seq_len + 1] for i in range(0, len(chats) - 1, seq_len)]
+    return examples
+
+
+def _chat_pairs(text: str) -> list[tuple[str, str]]:
+    """(user, assistant) sentence pairs: each question and its answer's first sentence,
+    then each pair of consecutive sentences in a paragraph."""
+    pairs = []
+    for question, answer in _QUESTION_ANSWER.findall(text):
+        pairs.append((question, _SENTENCE_END.split(answer, maxsplit=1)[0]))
+    for paragraph in text.splitlines():
+        if paragraph.startswith(("Question: ", "Answer: ")):
+            continue
+        sentences = _SENTENCE_END.split(paragraph.strip())
+        pairs += itertools.pairwise(sentences)
+    return pairs
+
+
+def _train_tokenizer(vocab_size: int) -> Tokenizer:
     # NOTE: BPE training is deterministic across processes and thread counts (checked with
     # RAYON_NUM_THREADS=1..8): merges are picked by count with ties broken by pair ids.
-    corpus = resources.files("pdserve.engine.data").joinpath("demo_corpus.txt")
-    text = corpus.read_text(encoding="utf-8")
+    text = _corpus()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -138,7 +327,7 @@ def _train_tokenizer() -> Tokenizer:
         pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
         special_tokens=[(BOS_TOKEN, bos_id)],
     )
-    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+    if tokenizer.get_vocab_size() != vocab_size:
         raise RuntimeError(f"demo tokenizer has {tokenizer.get_vocab_size()} tokens")
     return tokenizer
 
@@ -187,59 +376,60 @@ def _special_tokens_map() -> dict[str, Any]:
     }
 
 
-def _model_config(ids: dict[str, int]) -> dict[str, Any]:
+def _model_config(ids: dict[str, int], shape: ModelShape) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": ids[BOS_TOKEN],
         "eos_token_id": ids[EOS_TOKEN],
-        "head_dim": HEAD_DIM,
+        "head_dim": shape.head_dim,
         "hidden_act": "silu",
-        "hidden_size": HIDDEN_SIZE,
+        "hidden_size": shape.hidden_size,
         "initializer_range": INIT_STD,
-        "intermediate_size": INTERMEDIATE_SIZE,
+        "intermediate_size": shape.intermediate_size,
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
         "mlp_bias": False,
         "model_type": "llama",
-        "num_attention_heads": NUM_HEADS,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "rms_norm_eps": 1e-5,
+        "num_attention_heads": shape.num_heads,
+        "num_hidden_layers": shape.num_layers,
+        "num_key_value_heads": shape.num_kv_heads,
+        "rms_norm_eps": DEMO_TRAINING.rms_norm_eps,
         "rope_scaling": None,
-        "rope_theta": 10000.0,
+        "rope_theta": DEMO_TRAINING.rope_theta,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
         "use_cache": True,
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": shape.vocab_size,
     }
 
 
-def _random_weights(seed: int) -> dict[str, torch.Tensor]:
+def _random_weights(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
+    hidden, ffn = shape.hidden_size, shape.intermediate_size
 
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, dtype=torch.float32) * INIT_STD
+    def normal(*dims: int) -> torch.Tensor:
+        return torch.randn(dims, generator=gen, dtype=torch.float32) * INIT_STD
 
     def norm_weight() -> torch.Tensor:
         # Not all ones, so a loader that skips a norm weight gives different tokens.
-        return 1.0 + torch.randn(HIDDEN_SIZE, generator=gen) * NORM_NOISE_STD
+        return 1.0 + torch.randn(hidden, generator=gen) * NORM_NOISE_STD
 
-    q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
-    weights = {"model.embed_tokens.weight": normal(VOCAB_SIZE, HIDDEN_SIZE)}
-    for i in range(NUM_LAYERS):
+    q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    weights = {"model.embed_tokens.weight": normal(shape.vocab_size, hidden)}
+    for i in range(shape.num_layers):
         prefix = f"model.layers.{i}"
         weights[f"{prefix}.input_layernorm.weight"] = norm_weight()
-        weights[f"{prefix}.self_attn.q_proj.weight"] = normal(q_size, HIDDEN_SIZE)
-        weights[f"{prefix}.self_attn.k_proj.weight"] = normal(kv_size, HIDDEN_SIZE)
-        weights[f"{prefix}.self_attn.v_proj.weight"] = normal(kv_size, HIDDEN_SIZE)
-        weights[f"{prefix}.self_attn.o_proj.weight"] = normal(HIDDEN_SIZE, q_size)
+        weights[f"{prefix}.self_attn.q_proj.weight"] = normal(q_size, hidden)
+        weights[f"{prefix}.self_attn.k_proj.weight"] = normal(kv_size, hidden)
+        weights[f"{prefix}.self_attn.v_proj.weight"] = normal(kv_size, hidden)
+        weights[f"{prefix}.self_attn.o_proj.weight"] = normal(hidden, q_size)
         weights[f"{prefix}.post_attention_layernorm.weight"] = norm_weight()
-        weights[f"{prefix}.mlp.gate_proj.weight"] = normal(INTERMEDIATE_SIZE, HIDDEN_SIZE)
-        weights[f"{prefix}.mlp.up_proj.weight"] = normal(INTERMEDIATE_SIZE, HIDDEN_SIZE)
-        weights[f"{prefix}.mlp.down_proj.weight"] = normal(HIDDEN_SIZE, INTERMEDIATE_SIZE)
+        weights[f"{prefix}.mlp.gate_proj.weight"] = normal(ffn, hidden)
+        weights[f"{prefix}.mlp.up_proj.weight"] = normal(ffn, hidden)
+        weights[f"{prefix}.mlp.down_proj.weight"] = normal(hidden, ffn)
     weights["model.norm.weight"] = norm_weight()
-    weights["lm_head.weight"] = normal(VOCAB_SIZE, HIDDEN_SIZE)
+    weights["lm_head.weight"] = normal(shape.vocab_size, hidden)
     return weights
 
 

@@ -32,7 +32,7 @@ import torch
 
 from pdserve.benchmarks.bench_report import sample, scrape_metrics
 from pdserve.deploy.redis_server import drain, free_port, wait_for_line, wait_session_empty
-from pdserve.engine.demo_model import write_demo_model
+from pdserve.engine.demo_model import default_model_dir, write_random_model
 
 # NOTE: `triton.jit` decides when a kernel module is imported whether kernels are compiled
 # or interpreted, so the switch is set here, before any test module can import
@@ -72,16 +72,33 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model (seed 0), written once per session."""
-    return write_demo_model(tmp_path_factory.mktemp("demo") / "demo-model")
+def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weights Llama in the demo's format (vocabulary 512, seed 0), written once
+    per session in well under a second: for tests that need a checkpoint and a tokenizer,
+    not sensible text (`write_random_model`)."""
+    return write_random_model(tmp_path_factory.mktemp("random") / "random-model")
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(random_model_dir: Path) -> Path:
+    """The name `random_model_dir` had while the demo model had random weights."""
+    return random_model_dir
+
+
+@pytest.fixture(scope="session")
+def trained_demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in demo model (trained: about 40 s), for tests whose subject it
+    is; built once per session the way `pdserve up` builds it, in a cache folder: pass
+    `trained_demo_dir.parent` as $PDSERVE_CACHE_DIR to find it there."""
+    return default_model_dir(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")
 def make_checkpoint(
-    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, random_model_dir: Path
 ) -> MakeCheckpoint:
-    """Factory of random `transformers` checkpoints using the demo tokenizer (vocab 512).
+    """Factory of random `transformers` checkpoints using the random model's tokenizer
+    (vocab 512).
 
     `make(arch="llama" | "mistral" | "qwen2", *, hidden_size=64, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=None, intermediate_size=128, tie_word_embeddings=False,
@@ -125,7 +142,7 @@ def make_checkpoint(
         key = json.dumps(args, sort_keys=True)  # rope_scaling is a dict: not hashable as is
         if key not in built:
             out = tmp_path_factory.mktemp(f"ckpt-{arch}")
-            _build_checkpoint(out, demo_model_dir, **args)
+            _build_checkpoint(out, random_model_dir, **args)
             built[key] = out
         return built[key]
 

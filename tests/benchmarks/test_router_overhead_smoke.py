@@ -1,6 +1,6 @@
 """`benchmarks/router_overhead.py` end to end, as a user runs it, with tiny counts.
 
-One run of the script in its own process session (its cluster on the demo model: a real
+One run of the script in its own process session (its cluster on a random model: a real
 Ray, Redis and Serve app) with a handful of requests and half a second of load per side.
 It checks that the run completes, prints the table, writes figures that agree with the
 requests sent, and leaves no process behind: nothing of its session survives it. Timings
@@ -42,9 +42,10 @@ def _session_pids(session_id: int) -> dict[int, str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_router_overhead_runs_and_stops_everything(tmp_path: Path) -> None:
+def test_router_overhead_runs_and_stops_everything(tmp_path: Path, random_model_dir: Path) -> None:
     out = tmp_path / "figures.json"
     argv = [sys.executable, "-m", "pdserve.benchmarks.router_overhead", "--mode", "colocated"]
+    argv += ["--model", str(random_model_dir)]  # not the demo: that one is trained first
     argv += ["--requests", str(NUM_REQUESTS), "--warmup", "1", "--concurrency", "2"]
     argv += ["--duration", "0.5", "--json", str(out)]
     proc = subprocess.Popen(

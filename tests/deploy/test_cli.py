@@ -33,20 +33,25 @@ def run_cli(
 
 
 @pytest.fixture(scope="module")
-def cli_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A demo model written by `pdserve demo-model DIR` (the subject of one test)."""
+def cli_model_dir(tmp_path_factory: pytest.TempPathFactory, trained_demo_dir: Path) -> Path:
+    """The demo model written by `pdserve demo-model DIR` (the subject of one test), from
+    the session's cache (`trained_demo_dir`), so the suite trains it no extra time."""
     folder = tmp_path_factory.mktemp("cli") / "demo"
-    result = run_cli("demo-model", str(folder), cwd=folder.parent)
+    env = {CACHE_DIR_ENV: str(trained_demo_dir.parent)}
+    result = run_cli("demo-model", str(folder), cwd=folder.parent, env=env)
     assert result.returncode == 0, result.stderr
     assert str(folder) in result.stdout
+    assert "training" not in result.stderr  # cached
     return folder
 
 
-def test_demo_model_writes_a_model_folder(cli_model_dir: Path) -> None:
+def test_demo_model_writes_the_cached_demo(cli_model_dir: Path, trained_demo_dir: Path) -> None:
     config = json.loads((cli_model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
-    for name in ("model.safetensors", "tokenizer.json", "generation_config.json"):
-        assert (cli_model_dir / name).is_file()
+    names = {"model.safetensors", "tokenizer.json", "generation_config.json", "config.json"}
+    assert names <= {p.name for p in cli_model_dir.iterdir()}
+    for path in trained_demo_dir.iterdir():
+        assert (cli_model_dir / path.name).read_bytes() == path.read_bytes(), path.name
 
 
 def test_generate_prints_text(cli_model_dir: Path, tmp_path: Path) -> None:
@@ -55,22 +60,25 @@ def test_generate_prints_text(cli_model_dir: Path, tmp_path: Path) -> None:
         cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip()
+    assert re.search(r"[a-z]{3,}", result.stdout), result.stdout  # a word, not byte soup
     summary = re.search(r"\[(\d+) tokens, finish_reason=(\w+)\]", result.stderr)
     assert summary is not None, result.stderr
     num_tokens, reason = int(summary[1]), summary[2]
     assert (num_tokens, reason) == (5, "length") or (num_tokens <= 5 and reason == "stop")
 
 
-def test_generate_defaults_to_the_cached_demo_model(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+def test_generate_defaults_to_the_cached_demo_model(tmp_path: Path, trained_demo_dir: Path) -> None:
+    """(tests/engine/test_demo_model.py runs the first use, which trains it.)"""
+    cache = trained_demo_dir.parent
+    assert trained_demo_dir == cache / f"demo-model-{DEMO_MODEL_VERSION}"
     result = run_cli(
-        "generate", "--prompt", "The river", "--max-tokens", "5",
+        "generate", "--prompt", "The river", "--max-tokens", "8",
         cwd=tmp_path, env={CACHE_DIR_ENV: str(cache)},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip()
-    assert (cache / f"demo-model-{DEMO_MODEL_VERSION}" / "config.json").is_file()
+    assert "training" not in result.stderr
+    words = re.findall(r"[A-Za-z]+", result.stdout)
+    assert len(words) >= 3, result.stdout
 
 
 def test_generate_with_missing_model_exits_2(tmp_path: Path) -> None:

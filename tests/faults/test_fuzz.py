@@ -43,7 +43,6 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.benchmarks.bench_report import scrape_metrics
 from pdserve.engine.model_config import load_model_config
 from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from pdserve.router.protocol import MAX_CHAT_MESSAGES
@@ -97,9 +96,9 @@ class Tally:
 
 
 @pytest.fixture(scope="module")
-def cluster_url(pdserve_up: Any, demo_model_dir: Path) -> Iterator[str]:
-    assert load_model_config(demo_model_dir).vocab_size == VOCAB_SIZE
-    with pdserve_up(demo_model_dir, *FLAGS) as url:
+def cluster_url(pdserve_up: Any, random_model_dir: Path) -> Iterator[str]:
+    assert load_model_config(random_model_dir).vocab_size == VOCAB_SIZE
+    with pdserve_up(random_model_dir, *FLAGS) as url:
         yield url
 
 
@@ -610,7 +609,7 @@ def test_official_client_gets_400_naming_what_is_not_implemented(
 
 
 def test_cluster_is_healthy_idle_and_serving(
-    cluster_url: str, http: requests.Session, tally: Tally
+    cluster_url: str, http: requests.Session, tally: Tally, api: Any
 ) -> None:
     assert tally.num_requests >= MIN_REQUESTS, tally.statuses
     assert http.get(f"{cluster_url}/health", timeout=REQUEST_TIMEOUT_S).status_code == 200
@@ -640,9 +639,4 @@ def test_cluster_is_healthy_idle_and_serving(
     # Disaggregated: every request the module sent was prefilled by the prefill worker;
     # none fell back to prefilling on decode, for any reason.
     assert tally.count("POST", COMPLETIONS, 200) + tally.count("POST", CHAT, 200) > 0
-    local_prefills = {
-        labels: value
-        for (name, labels), value in scrape_metrics(cluster_url).items()
-        if name == "pdserve_decode_local_prefill_total"  # by reason; absent until counted
-    }
-    assert sum(local_prefills.values()) == 0, local_prefills
+    assert api.local_prefills(cluster_url) == {}  # by reason; absent counts as 0
