@@ -11,7 +11,6 @@ started, leaving no process behind.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -182,8 +181,10 @@ def run_up(
                 # Deleting the app first is Serve's graceful path: every replica stops
                 # taking requests and finishes those it holds (streams included, within
                 # its graceful_shutdown_timeout_s) while the HTTP proxy still runs.
-                with contextlib.suppress(Exception):
+                try:
                     serve.delete(APP_NAME, _blocking=True)
+                except Exception as exc:  # never deployed, or Serve already gone
+                    _say(f"could not delete the application gracefully ({exc!r}); stopping")
                 serve.shutdown()
             finally:
                 ray.shutdown()

@@ -16,6 +16,7 @@ Extensions beyond OpenAI's schema: `top_k`, `ignore_eos`, `stop_token_ids`, and
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -47,6 +48,8 @@ from pdserve.router.protocol import (
     parse_request,
     to_sampling_params,
 )
+
+logger = logging.getLogger(__name__)
 
 api = FastAPI(
     title="pdserve",
@@ -165,7 +168,8 @@ async def pools_health(core: RouterCore, index_error: str) -> JSONResponse:
         try:
             await asyncio.wait_for(handle.load.remote(), POOL_HEALTH_TIMEOUT_S)
             answered[role] = True
-        except Exception:  # no replica, a dead one, or too slow: not serving
+        except Exception as exc:  # no replica, a dead one, or too slow: not serving
+            logger.debug("health: the %s pool did not answer (%r)", role, exc)
             answered[role] = False
     ok = all(answered.values())
     body = {
