@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from pdserve.engine.demo_training import TrainConfig, train_demo_weights
+from pdserve.engine.demo_training import ModelShape, TrainConfig, train_demo_weights
 
 DEMO_MODEL_VERSION = "v2"
 CACHE_DIR_ENV = "PDSERVE_CACHE_DIR"
@@ -59,19 +58,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The Llama dimensions a model folder's config.json records."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
 
 
 # The random-weights model (`write_random_model`): what the demo was before it was trained.
@@ -102,13 +88,7 @@ DEMO_SHAPE = ModelShape(
     head_dim=32,
 )
 DEMO_TRAINING = TrainConfig(
-    vocab_size=DEMO_SHAPE.vocab_size,
-    hidden_size=DEMO_SHAPE.hidden_size,
-    intermediate_size=DEMO_SHAPE.intermediate_size,
-    num_layers=DEMO_SHAPE.num_layers,
-    num_heads=DEMO_SHAPE.num_heads,
-    num_kv_heads=DEMO_SHAPE.num_kv_heads,
-    head_dim=DEMO_SHAPE.head_dim,
+    shape=DEMO_SHAPE,
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
     seq_len=128,

@@ -32,8 +32,8 @@ _IGNORE = -100  # cross_entropy's ignore_index: padding predicts nothing
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """The model's shape and the optimisation schedule."""
+class ModelShape:
+    """The Llama dimensions a model folder's config.json records."""
 
     vocab_size: int
     hidden_size: int
@@ -42,6 +42,13 @@ class TrainConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The model's shape and the optimisation schedule."""
+
+    shape: ModelShape
     rms_norm_eps: float
     rope_theta: float
     seq_len: int
@@ -69,12 +76,14 @@ class _RMSNorm(nn.Module):
 class _Attention(nn.Module):
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__()
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        shape = cfg.shape
+        q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        self.q_proj = nn.Linear(cfg.shape.hidden_size, q_size, bias=False)
+        self.k_proj = nn.Linear(cfg.shape.hidden_size, kv_size, bias=False)
+        self.v_proj = nn.Linear(cfg.shape.hidden_size, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.shape.hidden_size, bias=False)
+        self.heads, self.kv_heads = shape.num_heads, shape.num_kv_heads
+        self.head_dim = shape.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -92,9 +101,9 @@ class _Attention(nn.Module):
 class _MLP(nn.Module):
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.shape.hidden_size, cfg.shape.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.shape.hidden_size, cfg.shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.shape.intermediate_size, cfg.shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -103,9 +112,9 @@ class _MLP(nn.Module):
 class _Layer(nn.Module):
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__()
-        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = _RMSNorm(cfg.shape.hidden_size, cfg.rms_norm_eps)
         self.self_attn = _Attention(cfg)
-        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(cfg.shape.hidden_size, cfg.rms_norm_eps)
         self.mlp = _MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,9 +125,9 @@ class _Layer(nn.Module):
 class _Body(nn.Module):
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
-        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(cfg.shape.vocab_size, cfg.shape.hidden_size)
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.shape.num_layers))
+        self.norm = _RMSNorm(cfg.shape.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForTraining(nn.Module):
@@ -130,9 +139,9 @@ class LlamaForTraining(nn.Module):
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__()
         self.model = _Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.shape.hidden_size, cfg.shape.vocab_size, bias=False)
         inv_freq = 1.0 / cfg.rope_theta ** (
-            torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
+            torch.arange(0, cfg.shape.head_dim, 2, dtype=torch.float32) / cfg.shape.head_dim
         )
         freqs = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -196,7 +205,9 @@ def train_demo_weights(
             rows = torch.randint(len(inputs), (cfg.batch_size,), generator=gen)
             logits = model(inputs[rows])
             loss = F.cross_entropy(
-                logits.reshape(-1, cfg.vocab_size), targets[rows].reshape(-1), ignore_index=_IGNORE
+                logits.reshape(-1, cfg.shape.vocab_size),
+                targets[rows].reshape(-1),
+                ignore_index=_IGNORE,
             )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -226,7 +237,8 @@ def _init_model(cfg: TrainConfig, gen: torch.Generator) -> LlamaForTraining:
             if not name.endswith("norm.weight"):
                 param.normal_(0.0, cfg.init_std, generator=gen)
             if name.endswith(("o_proj.weight", "down_proj.weight")):
-                param.div_(math.sqrt(2 * cfg.num_layers))  # GPT-2's scaling of residual outputs
+                # GPT-2's scaling of residual outputs
+                param.div_(math.sqrt(2 * cfg.shape.num_layers))
     return model
 
 
