@@ -144,7 +144,7 @@ def serve_run(demo_model_dir: Path, tmp_path: Path) -> Iterator[str]:
             _stop(proc, log_path)
 
 
-def test_serve_run_starts_the_app_from_the_config_file(serve_run: str) -> None:
+def test_serve_run_starts_the_app_from_the_config_file(serve_run: str, api: Any) -> None:
     client = openai.OpenAI(base_url=f"{serve_run}/v1", api_key="unused", timeout=120, max_retries=0)
     (model,) = client.models.list().data
     out = client.completions.create(
@@ -152,6 +152,10 @@ def test_serve_run_starts_the_app_from_the_config_file(serve_run: str) -> None:
     )
     assert out.usage is not None and out.usage.completion_tokens >= 1
     assert out.choices[0].finish_reason in ("length", "stop")
+    # The config file's cluster is disaggregated: the prompt's KV crossed, and the
+    # decode worker prefilled nothing itself.
+    assert api.metric(serve_run, "pdserve_kv_transfer_blocks_total") >= 1
+    assert api.local_prefills(serve_run) == {}
 
 
 def test_serve_config_validates() -> None:
