@@ -78,15 +78,7 @@ NORM_NOISE_STD = 0.05
 # tuned by the loss on the corpus it reaches within the time budget (a newcomer's first
 # `pdserve up` waits for it, and CI builds it twice): about 40 s on one core. Fewer steps
 # lose much (260: a loss of 1.8 against 1.43), a peak rate of 7e-3 did worse (1.48).
-DEMO_SHAPE = ModelShape(
-    vocab_size=2048,
-    hidden_size=128,
-    intermediate_size=352,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-)
+DEMO_SHAPE = dataclasses.replace(RANDOM_SHAPE, vocab_size=2048)
 DEMO_TRAINING = TrainConfig(
     shape=DEMO_SHAPE,
     rms_norm_eps=1e-5,

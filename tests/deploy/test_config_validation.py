@@ -14,13 +14,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
-import trustme
 
 from pdserve.cluster.config import ClusterConfig, ConfigError, redact_url
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port, wait_session_empty
@@ -35,15 +35,10 @@ def model_dir(make_checkpoint: Any) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tls_flags(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    folder = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    files = {name: folder / f"{name}.pem" for name in ("cert", "key", "ca")}
-    cert.cert_chain_pems[0].write_to_path(str(files["cert"]))
-    cert.private_key_pem.write_to_path(str(files["key"]))
-    ca.cert_pem.write_to_path(str(files["ca"]))
-    return [arg for name, path in files.items() for arg in (f"--kv-tls-{name}", str(path))]
+def tls_flags(
+    tmp_path_factory: pytest.TempPathFactory, kv_tls_flags: Callable[[Path], list[str]]
+) -> list[str]:
+    return kv_tls_flags(tmp_path_factory.mktemp("tls"))
 
 
 def _up(model_dir: Path, *flags: str) -> tuple[int, str, float]:

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-import trustme
 
 from pdserve.benchmarks.bench_report import scrape_metrics
 from pdserve.kv_transfer.base import KVLayout, make_header
@@ -25,17 +24,6 @@ from pdserve.kv_transfer.grpc_backend import GrpcSender
 
 BLOCK_SIZE = 8
 MAX_TOKENS = 6
-
-
-def _certificates(folder: Path) -> list[str]:
-    """The --kv-tls-* flags for a fresh CA and a certificate for 127.0.0.1."""
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    paths = {name: folder / f"{name}.pem" for name in ("cert", "key", "ca")}
-    cert.cert_chain_pems[0].write_to_path(str(paths["cert"]))
-    cert.private_key_pem.write_to_path(str(paths["key"]))
-    ca.cert_pem.write_to_path(str(paths["ca"]))
-    return [arg for name, path in paths.items() for arg in (f"--kv-tls-{name}", str(path))]
 
 
 async def _plaintext_push(address: str) -> None:
@@ -50,7 +38,12 @@ async def _plaintext_push(address: str) -> None:
 
 
 def test_a_cluster_with_mutual_tls_serves_the_reference_tokens(
-    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any, tmp_path: Path
+    api: Any,
+    make_checkpoint: Any,
+    pdserve_up: Any,
+    hf_greedy: Any,
+    tmp_path: Path,
+    kv_tls_flags: Any,
 ) -> None:
     model_dir = Path(make_checkpoint())
     rng = random.Random(5)
@@ -59,7 +52,7 @@ def test_a_cluster_with_mutual_tls_serves_the_reference_tokens(
     flags = (
         *("--prefill-replicas", "1", "--decode-replicas", "1", "--replica-cpus", "0"),
         *("--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--threads", "1"),
-        *_certificates(tmp_path),
+        *kv_tls_flags(tmp_path),
         "--kv-tls-mutual",
     )
     with pdserve_up(model_dir, *flags) as url:
