@@ -242,6 +242,21 @@ class _Unimplemented(Exception):
     """The receiver predates `PushStream` (a rolling upgrade): push with `Push`."""
 
 
+def _rejected_stream(exc: grpc.aio.AioRpcError, streamed_before: bool) -> bool:
+    """Whether a failed `PushStream` call means the receiver lacks the method.
+
+    It answers UNIMPLEMENTED, but when it rejects the call while chunks are still being
+    written, gRPC's core ends the call with INTERNAL ("Internal error from Core")
+    instead (seen in about one push in four). So INTERNAL from a receiver that never
+    acked a `PushStream` push also tries `Push`; the address is marked legacy only if
+    that works, and a real failure there raises its own typed error.
+    """
+    code = exc.code()
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return True
+    return code == grpc.StatusCode.INTERNAL and not streamed_before
+
+
 class GrpcSender(KVSender):
     """Pushes on long-lived `PushStream` calls, one push at a time per call, with a few
     idle calls kept per receiver (like connections in a pool); falls back to one `Push`
@@ -255,6 +270,7 @@ class GrpcSender(KVSender):
         self._channels: dict[str, Any] = {}
         self._idle: dict[str, list[Any]] = {}  # address -> idle PushStream calls
         self._legacy: set[str] = set()  # addresses whose receiver has only Push
+        self._streaming: set[str] = set()  # addresses that have acked on PushStream
 
     async def send(
         self, address: str, header: TransferHeader, payload: Payload, timeout_s: float
@@ -264,14 +280,18 @@ class GrpcSender(KVSender):
         if data.size != header.payload_bytes:
             raise TruncatedError(f"payload has {data.size} bytes, header {header.payload_bytes}")
         ack: pb.TransferAck | None = None
+        legacy = False
         if address not in self._legacy:
             try:
                 ack = await self._push_on_stream(address, header, data, timeout_s)
+                self._streaming.add(address)
             except _Unimplemented:
-                self._legacy.add(address)
+                legacy = True
         if ack is None:
             left_s = max(0.0, timeout_s - (time.monotonic() - start))
             ack = await self._push_once(address, header, data, left_s)
+            if legacy:  # `Push` works there: it stays the way to this receiver
+                self._legacy.add(address)
         error = error_from_ack(ack)
         if error is not None:
             raise error
@@ -302,7 +322,7 @@ class GrpcSender(KVSender):
             raise TransferTimeoutError(f"push to {address} took over {timeout_s}s") from None
         except grpc.aio.AioRpcError as exc:
             call.cancel()
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            if _rejected_stream(exc, address in self._streaming):
                 raise _Unimplemented from None
             raise _typed(exc, address) from None
         except BaseException:
