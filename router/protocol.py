@@ -18,7 +18,8 @@ is or means, and that the router does not implement, gets a 400 naming it (``par
 never a 200 that ignores it. So a client that asks for JSON (``response_format``) or tool
 calls does not receive free text it would take for an answer. Rejected with
 ``code: "unsupported_parameter"``: batched prompts, n > 1, best_of > 1, echo, suffix,
-non-zero presence/frequency penalties, a non-empty logit_bias, a response_format other
+non-zero presence/frequency penalties, a repetition_penalty other than 1 (vLLM's
+extension), a non-empty logit_bias, a response_format other
 than text, modalities other than text, non-text content parts (images, audio), and any
 non-null value of the `NOT_IMPLEMENTED` fields (tools, tool_choice, parallel_tool_calls,
 functions, function_call, prediction, audio, reasoning_effort, verbosity,
@@ -243,6 +244,9 @@ class _SamplingRequest(BaseModel):
     return_token_ids: bool = Field(False, description="Extension: include token ids.")
     presence_penalty: float | None = Field(0.0, ge=0, le=0, description="Only 0 is supported.")
     frequency_penalty: float | None = Field(0.0, ge=0, le=0, description="Only 0 is supported.")
+    repetition_penalty: float | None = Field(
+        None, ge=1, le=1, description="vLLM's extension (its benchmark client sends 1.0): only 1."
+    )
     logit_bias: dict[str, float] | None = Field(
         None, max_length=0, description="Not supported: only null or {}."
     )
@@ -318,6 +322,13 @@ class _SamplingRequest(BaseModel):
     def _check_penalty(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool) and value:
             raise _unsupported(f"{info.field_name} other than 0")
+        return value
+
+    @field_validator("repetition_penalty", mode="before")
+    @classmethod
+    def _check_repetition_penalty(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool) and value != 1:
+            raise _unsupported("repetition_penalty other than 1")
         return value
 
     @field_validator("logit_bias", mode="before")

@@ -139,6 +139,7 @@ HARMLESS: dict[str, Any] = {
     "logit_bias": {},
     "presence_penalty": 0,
     "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,  # vLLM's benchmark client sends it
     "response_format": {"type": "text"},
     "modalities": ["text"],
     **dict.fromkeys(NOT_IMPLEMENTED),  # null means absent
@@ -168,7 +169,7 @@ USED = {
 # Supported only at their no-op value; any other is a 400 naming the field.
 NO_OP_ONLY = {
     "n", "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
-    "response_format", "modalities",
+    "response_format", "modalities", "repetition_penalty",
 }  # fmt: skip
 
 
@@ -231,6 +232,8 @@ REJECTED = [
     (CompletionRequest, {"frequency_penalty": 1}, "frequency_penalty", "not supported"),
     (CompletionRequest, {"logit_bias": {"1": 2.0}}, "logit_bias", "not supported"),
     (CompletionRequest, {"presence_penalty": 5}, "presence_penalty", "not supported"),
+    (CompletionRequest, {"repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
+    (ChatCompletionRequest, {"repetition_penalty": 0.5}, "repetition_penalty", "not supported"),
     (CompletionRequest, {"best_of": 1.5}, "best_of", "valid integer"),
     (CompletionRequest, {"echo": "yes"}, "echo", "Input should be False"),
     (
@@ -448,6 +451,8 @@ def test_json_schema_tells_what_is_rejected(cls: type[Any]) -> None:
     for penalty in ("presence_penalty", "frequency_penalty"):
         number = _schema_of(props, penalty, "number")
         assert (number["minimum"], number["maximum"]) == (0, 0)
+    number = _schema_of(props, "repetition_penalty", "number")
+    assert (number["minimum"], number["maximum"]) == (1, 1)
     assert _schema_of(props, "logit_bias", "object")["maxProperties"] == 0
     response_format = schema["$defs"]["ResponseFormat"]["properties"]["type"]
     assert response_format["const"] == "text"
