@@ -196,6 +196,10 @@ class ClusterConfig(BaseModel):
     num_kv_blocks: int | None = Field(default=None, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # A step that has decode rows takes only the prefill tokens that keep its measured
+    # cost within this (EngineConfig.tpot_target_ms). 100 ms: a GPU step stays far below
+    # it, so it binds only where a prompt really would stall the streams (CPU).
+    tpot_target_ms: float | None = Field(default=100.0, gt=0)
     seed: int = 0
 
     # Router limits. api_keys: if any, every /v1 and /workers call needs
@@ -324,6 +328,7 @@ class ClusterConfig(BaseModel):
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            tpot_target_ms=self.tpot_target_ms,
             seed=self.seed,
         )
 

@@ -67,6 +67,10 @@ def _json_arg(text: str | None) -> Any:
         raise ValueError(f"not valid JSON: {text!r} ({exc})") from exc
 
 
+def _float_or_off(text: str) -> float | None:
+    return None if text.strip().lower() in ("off", "none") else float(text)
+
+
 def _api_keys(path: str | None) -> list[str]:
     """Keys from $PDSERVE_API_KEYS and the file (never from argv: `ps` shows argv)."""
     keys = [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",")]
@@ -96,6 +100,7 @@ def _up(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
+        tpot_target_ms=args.tpot_target_ms,
         replica_num_cpus=args.replica_cpus,
         worker_lease_s=args.worker_lease_s,
         heartbeat_s=args.heartbeat_s,
@@ -262,6 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker")
     up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     up.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    up.add_argument(
+        "--tpot-target-ms",
+        type=_float_or_off,
+        default=100.0,
+        help="cap the prefill tokens of a step that has decode rows so that its measured "
+        "cost stays within this; 'off' for the token budget alone",
+    )
     up.add_argument("--worker-lease-s", type=float, default=10.0, help="index lease")
     up.add_argument("--heartbeat-s", type=float, default=1.0, help="worker heartbeat period")
     up.add_argument(

@@ -37,6 +37,13 @@ class EngineConfig(BaseModel):
         default=2048, ge=1, description="Token budget of one step (prefill chunks + decodes)."
     )
     enable_chunked_prefill: bool = True
+    tpot_target_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="Keep a step that has decode rows within this time, by capping its prefill"
+        " tokens from the measured step cost (needs chunked prefill); None: the token budget"
+        " alone.",
+    )
     enable_prefix_caching: bool = True
     cache_salt: str | None = None
     attention_backend: AttentionBackendName = "auto"

@@ -30,6 +30,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, TokenLogprobs
+from pdserve.engine.step_cost import StepCostModel
 from pdserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class LLMEngine:
             self.num_kv_blocks, enable_caching=config.enable_prefix_caching, enable_events=True
         )
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
+        target_ms = config.tpot_target_ms
+        # Measured only with a target: on CUDA the measurement may cost a sync (see step).
+        self.step_cost = StepCostModel() if target_ms is not None else None
         self.scheduler = Scheduler(
             self.kv_manager,
             SchedulerLimits(
@@ -97,8 +101,12 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                step_time_target_s=None if target_ms is None else target_ms / 1000,
+                min_prefill_chunk=config.block_size,
             ),
+            self.step_cost,
         )
+        self.clock = time.perf_counter  # step wall times (tests inject a fake)
         self.runner = ModelRunner(
             self.model,
             allocate_kv_cache(self.model, self.num_kv_blocks, config.block_size, self.device),
@@ -292,20 +300,34 @@ class LLMEngine:
             "kv_blocks_total": pool.num_blocks,
             "preemptions": sched.stats.num_preemptions,
             "aborted": sched.stats.num_aborted,
+            # what the step-time target lets a step prefill beside the running decodes now
+            "step_prefill_budget": sched.prefill_budget(),
         }
 
     # -- the loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return an output for every request that changed."""
+        """Run one scheduled step; return an output for every request that changed.
+
+        With a step-time target, the step's wall time (scheduling to outputs: what a
+        stream waits between tokens) teaches the cost model. The sampled tokens' copy to
+        the host already waits for the GPU; a step that samples nothing (prefill chunks
+        only) would be timed at its kernel launches, so on CUDA it syncs first.
+        """
+        start_s = self.clock()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
         result = self.runner.execute(sched_out)
+        if self.step_cost is not None and not result.sampled and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         for request_id, logprobs in result.logprobs.items():
             self._seqs[request_id].output_logprobs.append(logprobs)
         finished = self.scheduler.update(sched_out, result.sampled)
-        return self._outputs(sched_out, result.sampled, finished)
+        outputs = self._outputs(sched_out, result.sampled, finished)
+        if self.step_cost is not None:
+            self.step_cost.observe(sched_out.shape(), self.clock() - start_s)
+        return outputs
 
     def _outputs(
         self, sched_out: SchedulerOutput, sampled: dict[str, int], finished: list[Sequence]

@@ -6,6 +6,13 @@ their longest cached prefix, while budget, sequence slots and KV blocks last. Wh
 running sequence needs a block and none is free, the most recently admitted one is
 preempted: its blocks are freed and it waits to be recomputed from its tokens so far,
 so it later finishes with exactly the tokens it would have produced anyway.
+
+With a step-time target (`SchedulerLimits.step_time_target_s`) and a cost model, a step
+that has decode rows takes only as many prefill tokens (new prompts, chunks of long ones,
+recomputed preempted sequences alike) as keep its predicted time within the target, but
+always at least `min_prefill_chunk` so prompts still progress: every running stream waits
+for the whole step, so an uncapped prompt would stall them all (Sarathi-style chunking).
+A step without decode rows keeps the whole token budget: no stream waits on it.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.step_cost import StepShape, chunk_attention
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,16 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.prefills and not self.decodes
 
+    def shape(self) -> StepShape:
+        """What the step costs depend on (the cost model's input)."""
+        chunks = [(s.start, s.num_new_tokens) for s in self.prefills]
+        return StepShape(
+            decode_rows=len(self.decodes),
+            decode_context=sum(s.start + 1 for s in self.decodes),
+            prefill_tokens=sum(n for _, n in chunks),
+            prefill_attention=sum(chunk_attention(start, n) for start, n in chunks),
+        )
+
 
 @dataclass
 class SchedulerLimits:
@@ -52,6 +71,17 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # Keep a step with decode rows within this many seconds (needs a cost model and
+    # chunked prefill; None: the token budget alone), granting at least
+    # `min_prefill_chunk` prefill tokens per step whatever the prediction.
+    step_time_target_s: float | None = None
+    min_prefill_chunk: int = 16
+
+
+class StepCostPredictor(Protocol):
+    """What the scheduler needs of a cost model (`step_cost.StepCostModel`, or a fake)."""
+
+    def predict(self, shape: StepShape) -> float | None: ...
 
 
 @dataclass
@@ -62,12 +92,55 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_chunked_prefill_steps: int = 0  # prefill chunks that left the prompt unfinished
     num_aborted: int = 0  # requests cancelled before they finished
+    num_latency_capped_steps: int = 0  # steps whose prefill the step-time target cut short
+
+
+class _PrefillCap:
+    """The prefill tokens one step with decode rows may still take, chunk by chunk."""
+
+    def __init__(
+        self, cost: StepCostPredictor, target_s: float, shape: StepShape, room: int, floor: int
+    ) -> None:
+        self.cost = cost
+        self.target_s = target_s
+        self.shape = shape  # the step so far: its decode rows, then each granted chunk
+        self.room = room  # token budget left once every decode row has its token
+        self.floor = floor  # prefill tokens still granted whatever the prediction
+        self.cut = False  # whether the target cut a chunk short this step
+
+    def allow(self, start: int, want: int) -> int:
+        """The largest chunk of at most `want` tokens from `start` that keeps the predicted
+        step time within the target (at least what is left of the floor)."""
+        want = min(want, self.room)
+        if want <= 0 or self._fits(start, want):
+            return max(want, 0)
+        self.cut = True
+        lo, hi = 0, want  # predictions grow with the chunk: lo fits (or is 0), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._fits(start, mid) else (lo, mid)
+        return max(lo, min(self.floor, want))
+
+    def add(self, start: int, num_tokens: int) -> None:
+        self.shape = self.shape.with_chunk(start, num_tokens)
+        self.room -= num_tokens
+        self.floor = max(self.floor - num_tokens, 0)
+
+    def _fits(self, start: int, num_tokens: int) -> bool:
+        predicted = self.cost.predict(self.shape.with_chunk(start, num_tokens))
+        return predicted is None or predicted <= self.target_s
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, limits: SchedulerLimits) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        limits: SchedulerLimits,
+        cost_model: StepCostPredictor | None = None,
+    ) -> None:
         self.kv = kv
         self.limits = limits
+        self.cost_model = cost_model
         self.stats = SchedulerStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -82,24 +155,58 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.limits.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        cap = self._prefill_cap()
+        budget = self._schedule_running(out, budget, cap)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, cap)
         self.stats.num_steps += 1
+        self.stats.num_latency_capped_steps += int(cap is not None and cap.cut)
         self.stats.num_preemptions += len(out.preempted)
         self.stats.num_chunked_prefill_steps += sum(not s.samples for s in out.prefills)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        scheduled: list[Sequence] = []
+    def prefill_budget(self) -> int:
+        """Prefill tokens a step could take now beside the running decodes (a gauge)."""
+        cap = self._prefill_cap()
+        full = self.limits.max_num_batched_tokens
+        return full if cap is None else cap.allow(0, full)
+
+    def _prefill_cap(self) -> _PrefillCap | None:
+        """The step's prefill limit from the step-time target; None: no limit."""
+        target, limits = self.limits.step_time_target_s, self.limits
+        if target is None or self.cost_model is None or not limits.enable_chunked_prefill:
+            return None
+        contexts = [
+            s.num_computed_tokens + 1
+            for s in self.running
+            if s.num_tokens - s.num_computed_tokens == 1
+        ][: limits.max_num_batched_tokens]
+        if not contexts:
+            return None  # no stream waits on this step: the whole budget
+        shape = StepShape(decode_rows=len(contexts), decode_context=sum(contexts))
+        if self.cost_model.predict(shape) is None:
+            return None  # no estimate yet
+        room = limits.max_num_batched_tokens - len(contexts)
+        return _PrefillCap(self.cost_model, target, shape, room, limits.min_prefill_chunk)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, cap: _PrefillCap | None) -> int:
+        scheduled: list[Sequence] = []  # in running order, including any skipped this step
         while self.running and budget > 0:
             seq = self.running.pop(0)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            start, remaining = seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens
+            num_new = min(remaining, budget)
+            if cap is not None and remaining > 1:
+                num_new = cap.allow(start, num_new)
+                if num_new == 0:  # a prefill the target leaves for a later step
+                    scheduled.append(seq)
+                    continue
             if not self._allocate_or_preempt(seq, num_new, out):
                 break  # seq itself was preempted: nothing else can be freed for it
             scheduled.append(seq)
             self._emit(out, seq, num_new)
             budget -= num_new
+            if cap is not None and remaining > 1:
+                cap.add(start, num_new)
         self.running = scheduled + self.running
         return budget
 
@@ -119,7 +226,7 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, cap: _PrefillCap | None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
             computed = self.kv.get_computed_blocks(seq)
@@ -129,8 +236,14 @@ class Scheduler:
                 if not self.limits.enable_chunked_prefill:
                     break
                 num_new = budget
+            if cap is not None:
+                num_new = cap.allow(num_cached, num_new)
+                if num_new == 0:
+                    break
             if not self.kv.allocate_slots(seq, num_new, computed):
                 break
+            if cap is not None:
+                cap.add(num_cached, num_new)
             self.waiting.popleft()
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_prompt_tokens = num_cached
