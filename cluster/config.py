@@ -30,6 +30,7 @@ from pdserve.kv_transfer.tls import TLSConfig
 Mode = Literal["disagg", "colocated"]
 Transport = Literal["grpc", "ucx"]
 Placement = Literal["prefix-aware", "round-robin", "random"]
+DisaggPolicy = Literal["conditional", "always"]
 
 
 def parse_cpu_set(text: str) -> set[int]:
@@ -162,6 +163,24 @@ class ClusterConfig(BaseModel):
     transport: Transport = "grpc"
     placement: Placement = "prefix-aware"
     weights: PlacementWeights = Field(default_factory=PlacementWeights)
+    # Where a prompt is prefilled in disagg mode (router/disagg.py, docs/architecture.md
+    # "Conditional disaggregation and admission"): "always" on a prefill worker;
+    # "conditional" on the chosen decode worker instead when its uncached part is at most
+    # local_prefill_max_tokens, or when the decode worker would finish it sooner than
+    # the prefill pool even with its time weighted by 1 + local_prefill_interference x
+    # its running sequences (every one of them stalls while it prefills).
+    disagg_policy: DisaggPolicy = "conditional"
+    local_prefill_max_tokens: int = Field(default=32, ge=0)
+    local_prefill_interference: float = Field(default=0.05, ge=0)
+    # Admission: past this many seconds of queued prefill work on every option, a
+    # request gets 429 with Retry-After. The decode worker waits for a request's KV
+    # kv_wait_factor x the estimated prefill time + kv_wait_floor_s, at most
+    # kv_wait_timeout_s (the queue at the bound, 2 x 4 s + 2 s, fits in the default 10 s:
+    # KV admitted at the bound is not expected late; the floor absorbs call latencies and
+    # scheduling jitter that no estimate of compute sees).
+    max_prefill_queue_s: float = Field(default=4.0, gt=0)
+    kv_wait_factor: float = Field(default=2.0, ge=1)
+    kv_wait_floor_s: float = Field(default=2.0, ge=0)
 
     prefill_replicas: int = Field(default=1, ge=0)
     decode_replicas: int = Field(default=1, ge=1)

@@ -79,8 +79,12 @@ class DecodeServer(WorkerReplica):
         params: SamplingParams,
         kv_expected: bool = False,
         target_replica: str | None = None,
+        kv_wait_s: float | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Stream a request; with `kv_expected` (disaggregated mode) its KV is awaited.
+
+        `kv_wait_s`: how long to wait for it (the router derives it from its estimate of
+        the prefill; at most `kv_wait_timeout_s`, which is also the wait without it).
 
         `target_replica` is the replica placement chose (read by the request router);
         this replica takes the KV even when it is not that one: the router pushes to the
@@ -89,7 +93,7 @@ class DecodeServer(WorkerReplica):
         kv_expected = kv_expected and self.config.mode == "disagg"
         if kv_expected:
             try:
-                self.worker.expect_kv(request_id, prompt_token_ids)
+                self.worker.expect_kv(request_id, prompt_token_ids, kv_wait_s)
             except TransferError as exc:  # e.g. the id is expected here already
                 why = "%s: cannot take KV here (%r); prefilling locally"
                 self._log.log("not_target", why, request_id, exc)
@@ -106,7 +110,7 @@ class DecodeServer(WorkerReplica):
             info: dict[str, Any] = {}
             first = True
             async for out in self.worker.generate(
-                request_id, prompt_token_ids, params, kv_expected, info
+                request_id, prompt_token_ids, params, kv_expected, info, kv_wait_s
             ):
                 item = _output_item(out)
                 if first:

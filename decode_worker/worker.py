@@ -1,9 +1,10 @@
 """A decode worker: takes a prefill worker's KV (or prefills itself), streams tokens.
 
 Framework-free (the Ray Serve deployment wraps it). A request expected to arrive with KV
-waits for it at most `kv_wait_timeout_s`; a transfer that fails, arrives late, or cannot
-be admitted (its prefix evicted meanwhile) falls back to local prefill, so the client
-sees the same tokens either way (docs/kv-handoff.md).
+waits for it as long as the router asks (from its estimate of the prefill), at most
+`kv_wait_timeout_s`; a transfer that fails, arrives late, or cannot be admitted (its
+prefix evicted meanwhile) falls back to local prefill, so the client sees the same
+tokens either way (docs/kv-handoff.md).
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ class DecodeWorker:
         """Start the transfer receiver; return its address (announced in the index)."""
         return await self.receiver.start()
 
-    def expect_kv(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+    def kv_wait(self, wait_s: float | None) -> float:
+        """How long to wait for a request's KV: `wait_s`, at most `kv_wait_timeout_s`."""
+        return self.kv_wait_timeout_s if wait_s is None else min(wait_s, self.kv_wait_timeout_s)
+
+    def expect_kv(
+        self, request_id: str, prompt_token_ids: Sequence[int], wait_s: float | None = None
+    ) -> None:
         """Register a request whose KV a prefill worker will push (before it is told to).
 
         The receiver takes only this model's KV of this prompt: the push's model id and
@@ -50,7 +57,7 @@ class DecodeWorker:
         engine = self.engine.engine  # immutable settings only: safe off the engine thread
         chain = hash_block_chain(prompt_token_ids, engine.config.block_size, engine.hash_namespace)
         self.receiver.expect(
-            request_id, self.kv_wait_timeout_s, model_id=engine.model_id, block_hashes=chain
+            request_id, self.kv_wait(wait_s), model_id=engine.model_id, block_hashes=chain
         )
 
     async def generate(
@@ -60,6 +67,7 @@ class DecodeWorker:
         params: SamplingParams,
         kv_expected: bool = False,
         info: dict[str, Any] | None = None,
+        kv_wait_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the first one is prefill's token when KV came.
 
@@ -70,7 +78,7 @@ class DecodeWorker:
         import's KVImportError; the deployment logs and reports it).
         """
         info = {} if info is None else info
-        received = await self._claim(request_id, info) if kv_expected else None
+        received = await self._claim(request_id, info, kv_wait_s) if kv_expected else None
         info.update(kv_used=False, first_block=0, ready_s=time.monotonic())
 
         def start(engine: LLMEngine) -> RequestOutput | None:
@@ -109,9 +117,11 @@ class DecodeWorker:
         async for out in self.engine.stream(request_id, start, on_started=release):
             yield out
 
-    async def _claim(self, request_id: str, info: dict[str, Any]) -> ReceivedKV | None:
+    async def _claim(
+        self, request_id: str, info: dict[str, Any], wait_s: float | None
+    ) -> ReceivedKV | None:
         try:
-            return await self.receiver.claim(request_id, self.kv_wait_timeout_s)
+            return await self.receiver.claim(request_id, self.kv_wait(wait_s))
         except TransferError as exc:
             info["kv_error"] = exc
             logger.debug("%s: no usable KV (%s); prefilling here", request_id, exc)

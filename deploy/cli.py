@@ -105,6 +105,12 @@ def _up(args: argparse.Namespace) -> int:
         worker_lease_s=args.worker_lease_s,
         heartbeat_s=args.heartbeat_s,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
+        disagg_policy=args.disagg_policy,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_interference=args.local_prefill_interference,
+        max_prefill_queue_s=args.max_prefill_queue_s,
+        kv_wait_factor=args.kv_wait_factor,
+        kv_wait_floor_s=args.kv_wait_floor_s,
         api_keys=_api_keys(args.api_keys_file),
         max_inflight_requests=args.max_inflight_requests,
         max_body_bytes=args.max_body_bytes,
@@ -280,8 +286,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-wait-timeout-s",
         type=float,
         default=10.0,
-        help="how long decode waits for pushed KV before prefilling itself",
+        help="the longest a decode worker waits for pushed KV before prefilling itself",
     )
+    disagg = up.add_argument_group("where prompts are prefilled (disagg mode; router/disagg.py)")
+    disagg.add_argument(
+        "--disagg-policy",
+        choices=["conditional", "always"],
+        default="conditional",
+        help="conditional: the decode worker prefills when that is sooner; always: the split",
+    )
+    disagg.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=32,
+        help="uncached prompt tokens up to which the decode worker prefills (conditional)",
+    )
+    disagg.add_argument(
+        "--local-prefill-interference",
+        type=float,
+        default=0.05,
+        help="weight of a local prefill's time per sequence the decode worker runs",
+    )
+    disagg.add_argument(
+        "--max-prefill-queue-s",
+        type=float,
+        default=4.0,
+        help="past this many seconds of queued prefill work everywhere, 429",
+    )
+    disagg.add_argument(
+        "--kv-wait-factor", type=float, default=2.0, help="KV wait = factor x estimate + floor"
+    )
+    disagg.add_argument("--kv-wait-floor-s", type=float, default=2.0, help="(see --kv-wait-factor)")
     for pool in ("prefill", "decode"):
         up.add_argument(
             f"--{pool}-autoscaling",

@@ -8,6 +8,11 @@ replica that took the request (its first stream item says it); `target_replica` 
 chosen prefill replica, or None when placement had no index) is read by
 `TargetedRequestRouter`, not here. The result names the replica that served, which the
 router counts.
+
+Each heartbeat also publishes `prefill_tokens_per_s`, the worker's measured prefill
+throughput (prompt tokens per busy second; 0 until it has prefilled a prompt of some
+length): with `queued_prefill_tokens` it tells the router how long this worker's queue
+takes to drain (placement, conditional disaggregation, admission).
 """
 
 from __future__ import annotations
@@ -68,6 +73,16 @@ class PrefillServer(WorkerReplica):
             "compute_s": result.compute_s,
             "pack_s": result.pack_s,
         }
+
+    def _rate(self) -> dict[str, int]:
+        rate = self.worker.rate.tokens_per_s
+        return {"prefill_tokens_per_s": round(rate) if rate is not None else 0}
+
+    async def index_load(self) -> dict[str, int]:
+        return {**await super().index_load(), **self._rate()}
+
+    async def load(self, target_replica: str | None = None) -> dict[str, Any]:
+        return {**await super().load(target_replica), **self._rate()}
 
     async def __del__(self) -> None:
         await self.worker.sender.close()

@@ -13,6 +13,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from pdserve.cluster.rate_meter import RateMeter
 from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
 from pdserve.engine.kv_handoff import KVExport
 from pdserve.engine.llm_engine import LLMEngine
@@ -51,6 +52,9 @@ class PrefillWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.lease_ms = lease_ms
         self.layout = layout_of(engine.engine.runner.kv_cache)
+        # prompt tokens per busy second, published with each heartbeat: the router's
+        # estimate of how long this worker's queue takes (placement, admission)
+        self.rate = RateMeter()
 
     async def prefill(
         self,
@@ -72,6 +76,7 @@ class PrefillWorker:
 
         first_token = -1
         arrived = time.monotonic()
+        scheduled = arrived
         queue_s = compute_s = 0.0
         num_cached = 0
 
@@ -88,6 +93,7 @@ class PrefillWorker:
                 scheduled = out.first_scheduled_s or arrived
                 queue_s = max(scheduled - arrived, 0.0)
                 compute_s = max(time.monotonic() - scheduled, 0.0)
+            self.rate.add(len(prompt_token_ids) - num_cached, scheduled, scheduled + compute_s)
             packed = time.monotonic()
             export = self.engine.take_finish_result(request_id)
             payload = payload_bytes(export.payload)

@@ -38,7 +38,7 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.model_config import load_model_config
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.core import RouterCore, UpstreamError
+from pdserve.router.core import Overloaded, RouterCore, UpstreamError
 from pdserve.router.metrics import CONTENT_TYPE
 from pdserve.router.protocol import (
     ChatCompletionRequest,
@@ -91,8 +91,8 @@ def _openapi() -> dict[str, Any]:
 api.openapi = _openapi  # type: ignore[method-assign]
 
 
-def _error(exc: ProtocolError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status_code == 429 else None
+def _error(exc: ProtocolError, retry_after_s: int = 1) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if exc.status_code == 429 else None
     if exc.status_code == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
@@ -369,7 +369,17 @@ class Router:
 
     async def _serve(self, r: _Request) -> Response:
         """Serve an admitted request; its in-flight slot is released when it ends."""
-        items = self.core.generate(r.id, r.prompt_ids, r.params, r.arrival_s)
+        try:  # placed before the response begins: past capacity, a 429 and nothing sent
+            items = await self.core.start(r.id, r.prompt_ids, r.params, r.arrival_s)
+        except Overloaded as exc:
+            self._release()
+            endpoint = "completions" if r.kind == "completion" else "chat"
+            self.core.metrics.requests.labels(endpoint, "429").inc()
+            shed = ProtocolError(str(exc), status_code=429, code="overloaded")
+            return _error(shed, exc.retry_after_s)
+        except BaseException:  # e.g. cancelled (the client went away): the slot is free
+            self._release()
+            raise
         if r.req.stream:
             return _SlotStreamingResponse(
                 self._stream(r, items),

@@ -9,10 +9,18 @@ D lacks there. A prefill failure reaches D at once (`cancel_kv`), which then pre
 locally. Redis being down never fails a request, nor bypasses the split: Ray Serve then
 picks D and P, and P pushes every block to whichever D took the request.
 
+Between placement and dispatch, conditional disaggregation (`disagg.py`) decides per
+request whether P prefills (remote) or D does (local), from time estimates of both; each
+decision is counted by reason (`pdserve_disagg_decisions_total`). Past capacity (every
+option's queue longer than `max_prefill_queue_s`) a request is refused with `Overloaded`
+(HTTP 429) before anything is sent to a worker: `start` places the first attempt before
+the HTTP response begins. A remote request's decode worker waits for its KV as long as
+the estimate says (`kv_wait_s`), not a fixed time.
+
 Every prompt a decode worker prefills itself in disaggregated mode is counted with its
-reason (`pdserve_decode_local_prefill_total{reason}`, see `metrics.py`); each reason is
-logged once per process at warning level. Plain Python: the worker handles are
-duck-typed Ray Serve handles.
+reason (`pdserve_decode_local_prefill_total{reason}`, see `metrics.py`); each reason but
+the policy's own choice (`policy`) is logged once per process at warning level. Plain
+Python: the worker handles are duck-typed Ray Serve handles.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, NamedTuple
 
 from redis.exceptions import RedisError
@@ -33,8 +42,9 @@ from pdserve.cluster.prefix_index import MatchResult, PrefixIndex, WorkerInfo
 from pdserve.engine.hashing import hash_block_chain, hash_namespace
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import TransferError
+from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.placement import Choice, Placer
+from pdserve.router.placement import Choice, Placer, decode_running, queued_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,14 @@ class UpstreamError(RuntimeError):
     """No worker could serve the request (all failed, none live, or one stalled)."""
 
 
+class Overloaded(UpstreamError):
+    """Past capacity: every place to prefill the prompt has too much work queued (429)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class _DecodeFailed(UpstreamError):
     """The decode worker serving a stream died or broke it: the request can resume."""
 
@@ -53,11 +71,48 @@ class _DecodeFailed(UpstreamError):
 
 
 class Placed(NamedTuple):
-    """What placement chose; `indexed` is False when the index did not answer."""
+    """What placement chose; `indexed` is False when the index did not answer.
+
+    remote / local: the estimates of prefilling on the chosen prefill / decode worker
+    (None where none was chosen); decode_running: sequences on the chosen decode worker.
+    """
 
     prefill: Choice | None
     decode: Choice | None
     indexed: bool
+    remote: Option | None = None
+    local: Option | None = None
+    decode_running: int = 0
+
+
+class Route:
+    """One attempt's placement and decision, and the queue tokens it reserves.
+
+    The reservation (prompt tokens counted as queued on the worker that prefills it,
+    until that prefill is done) is taken when the decision is made, before any await,
+    so that the next request's estimate already sees it.
+    """
+
+    def __init__(self, placed: Placed, decision: Decision | None, kv_wait_s: float | None):
+        self.placed = placed
+        self.decision = decision
+        self.kv_wait_s = kv_wait_s
+        self._held: dict[str, tuple[Counter[str], str, int]] = {}
+
+    def hold(self, what: str, counter: Counter[str], worker_id: str, tokens: int) -> None:
+        if tokens > 0:
+            counter[worker_id] += tokens
+            self._held[what] = (counter, worker_id, tokens)
+
+    def release(self, what: str | None = None) -> None:
+        """Give back one reservation ("prefill" or "local"), or all; idempotent."""
+        for key in [what] if what is not None else list(self._held):
+            held = self._held.pop(key, None)
+            if held is not None:
+                counter, worker_id, tokens = held
+                counter[worker_id] -= tokens
+                if counter[worker_id] <= 0:
+                    del counter[worker_id]
 
 
 def _is_transfer_error(exc: BaseException) -> bool:
@@ -89,8 +144,12 @@ class RouterCore:
         self.namespace = hash_namespace(config.model_id)
         self.placer = Placer(config.placement, config.weights, config.block_size)
         self.metrics = RouterMetrics()
+        # prompt tokens this router sent to each prefill worker (remote) / decode worker
+        # (local) and has not seen prefilled: queue the heartbeats have not shown yet
         self.inflight_prefill_tokens: Counter[str] = Counter()
+        self.inflight_local_tokens: Counter[str] = Counter()
         self.inflight_decode: Counter[str] = Counter()
+        self.rates = RateBook()
         self.index_available = True
         self._log = OncePerCause(logger)
 
@@ -139,17 +198,102 @@ class RouterCore:
             self.index_available = False
             return Placed(None, None, indexed=False)
         self.index_available = True
+        self.rates.forget_except(matches)
         by_role: dict[str, dict[str, MatchResult]] = {"prefill": {}, "decode": {}}
         for worker_id, m in matches.items():
             if worker_id not in exclude:
                 by_role.setdefault(m.worker.role, {})[worker_id] = m
         decode = self.placer.choose_decode(by_role["decode"], self.inflight_decode)
-        prefill = None
-        if self.prefill is not None:
-            prefill = self.placer.choose_prefill(
-                by_role["prefill"], len(prompt_ids), self.inflight_prefill_tokens
+        if self.prefill is None:
+            return Placed(None, decode, indexed=True)
+        n = len(prompt_ids)
+        rates = self.rates.prefill_rates(by_role["prefill"])
+        prefill = self.placer.choose_prefill(
+            by_role["prefill"], n, self.inflight_prefill_tokens, rates
+        )
+        remote = local = None
+        running = 0
+        if decode is not None:
+            d = by_role["decode"][decode.worker_id]
+            known = [r for r in rates.values() if r is not None]
+            local = Option(
+                decode.worker_id,
+                self.placer.uncached_tokens(d, n),
+                queued_tokens(d, self.inflight_local_tokens),
+                self.rates.local_rate(decode.worker_id, sum(known) / len(known) if known else None),
             )
-        return Placed(prefill, decode, indexed=True)
+            running = decode_running(d, self.inflight_decode)
+        if prefill is not None:
+            m = by_role["prefill"][prefill.worker_id]
+            # the blocks the push would carry (see `_attempt`: D's held prefix is skipped)
+            last_block = (n - 1) // self.config.block_size
+            skipped = min(decode.matched_blocks, last_block) if decode is not None else 0
+            remote = Option(
+                prefill.worker_id,
+                self.placer.uncached_tokens(m, n),
+                queued_tokens(m, self.inflight_prefill_tokens),
+                rates[prefill.worker_id],
+                extra_s=self.rates.push_s(last_block + 1 - skipped),
+            )
+        return Placed(prefill, decode, True, remote, local, running)
+
+    async def route(self, prompt_ids: list[int], exclude: set[str], resume: bool) -> Route:
+        """Place an attempt, decide where its prompt is prefilled, reserve that queue.
+
+        Raises:
+            Overloaded: every option's queue is past `max_prefill_queue_s` (never for a
+                resumed stream: its client already has tokens).
+        """
+        placed = await self.place(prompt_ids, exclude)
+        decision = self._decide(placed, resume)
+        if decision is None:  # colocated: D prefills, nothing to decide
+            return Route(placed, None, None)
+        self.metrics.disagg_decisions.labels(decision.where, decision.reason).inc()
+        if decision.where == "shed":
+            bound = self.config.max_prefill_queue_s
+            raise Overloaded(
+                f"the cluster is past its prefill capacity: every worker that could "
+                f"prefill this prompt has more than {bound:g}s of work queued; retry later",
+                retry_after_s=max(1, math.ceil(decision.retry_after_s)),
+            )
+        route = Route(placed, decision, kv_wait_s(self.config, decision))
+        if decision.where == "remote" and placed.remote is not None:
+            r = placed.remote
+            route.hold("prefill", self.inflight_prefill_tokens, r.worker_id, r.uncached_tokens)
+        elif decision.where == "local" and placed.local is not None:
+            loc = placed.local
+            route.hold("local", self.inflight_local_tokens, loc.worker_id, loc.uncached_tokens)
+        return route
+
+    def _decide(self, placed: Placed, resume: bool) -> Decision | None:
+        if self.prefill is None:
+            return None
+        if resume:  # the tokens so far are known: D prefills them
+            return Decision("local", "resume")
+        if not placed.indexed:  # Serve picks both; the split still happens
+            return Decision("remote", "unplaced")
+        return decide(self.config, placed.remote, placed.local, placed.decode_running)
+
+    async def start(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_s: float,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """`generate`, with the first attempt placed and admitted before this returns.
+
+        Raises:
+            Overloaded: the request is refused (the HTTP layer answers 429 before any
+                byte of a response); nothing was sent to a worker.
+        """
+        items = self._generate(request_id, prompt_ids, params, arrival_s, announce=True)
+        try:
+            await anext(items)  # the "placed" marker: admitted, queue reserved
+        except BaseException:
+            await items.aclose()
+            raise
+        return items
 
     async def generate(
         self,
@@ -170,6 +314,18 @@ class RouterCore:
                 failed, no first token within `first_token_timeout_s`, or a stall between
                 tokens longer than `stall_timeout_s`). Nothing is left running on workers.
         """
+        async for item in self._generate(request_id, prompt_ids, params, arrival_s, False):
+            yield item
+
+    async def _generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_s: float,
+        announce: bool,
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """`generate`; with `announce`, first a `{"type": "placed"}` item once admitted."""
         generated: list[int] = []
         failed: set[str] = set()
         for attempt in range(self.config.max_resumes + 1):
@@ -181,15 +337,17 @@ class RouterCore:
             else:
                 attempt_params = params
             attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
+            route = await self.route(prompt_ids + generated, failed, resume=attempt > 0)
             try:
+                if announce and attempt == 0:
+                    yield {"type": "placed"}
                 async for item in self._attempt(
                     attempt_id,
                     prompt_ids + generated,
                     attempt_params,
                     arrival_s,
                     first=not generated,
-                    exclude=failed,
-                    allow_prefill_worker=attempt == 0,
+                    route=route,
                 ):
                     generated += item["token_ids"]
                     yield item
@@ -205,6 +363,8 @@ class RouterCore:
                     exc,
                     len(generated),
                 )
+            finally:
+                route.release()
 
     async def _attempt(
         self,
@@ -213,20 +373,14 @@ class RouterCore:
         params: SamplingParams,
         arrival_s: float,
         first: bool,
-        exclude: set[str],
-        allow_prefill_worker: bool,
+        route: Route,
     ) -> AsyncIterator[dict[str, Any]]:
-        """One placement and dual dispatch; raises _DecodeFailed if D dies."""
-        placed = await self.place(prompt_ids, exclude)
-        p, d = placed.prefill, placed.decode
+        """One dual dispatch of a routed attempt; raises _DecodeFailed if D dies."""
+        p, d = route.placed.prefill, route.placed.decode
         # Why D prefills this attempt itself by the router's own decision (None: it asks
         # for KV; colocated mode counts nothing, every prefill happens on D there).
-        local_reason: str | None = None
-        if self.prefill is not None:
-            if not allow_prefill_worker:
-                local_reason = "resume"  # the tokens so far are known: D prefills them
-            elif p is None and placed.indexed:
-                local_reason = "no_prefill_worker"
+        decision = route.decision
+        local_reason = decision.local_prefill_reason if decision is not None else None
         want_kv = self.prefill is not None and local_reason is None
         if first:
             self.metrics.ttft_stage.labels("router_queue").observe(time.monotonic() - arrival_s)
@@ -235,7 +389,12 @@ class RouterCore:
         if inflight_at is not None:
             self.inflight_decode[inflight_at] += 1
         stream = self.decode.options(stream=True).generate.remote(
-            request_id, prompt_ids, params, kv_expected=want_kv, target_replica=d_target
+            request_id,
+            prompt_ids,
+            params,
+            kv_expected=want_kv,
+            kv_wait_s=route.kv_wait_s,
+            target_replica=d_target,
         )
         prefill_task: asyncio.Task[None] | None = None
         finished = False
@@ -263,14 +422,25 @@ class RouterCore:
                     first_block = min(d.matched_blocks, last_block)
                 prefill_task = asyncio.create_task(
                     self._prefill(
-                        request_id, prompt_ids, params, p, accepted["address"], first_block, serving
+                        request_id,
+                        prompt_ids,
+                        params,
+                        p,
+                        accepted["address"],
+                        first_block,
+                        serving,
+                        route,
                     )
                 )
+            else:
+                route.release("prefill")  # no prefill worker is called for it
             timeout = self.config.first_token_timeout_s
             while not finished:
                 item = await self._next(stream, timeout, "token")
                 if not counted:
                     counted = True
+                    route.release("local")  # D prefilled it (if it had to)
+                    self._learn_local_rate(serving, item)
                     reason = local_reason
                     if kv_expected and not item.get("kv_used"):
                         reason = item.get("local_prefill") or "transfer_failed"
@@ -328,8 +498,18 @@ class RouterCore:
         if chosen is not None and served != chosen:
             self.metrics.placement_overrides.labels(role).inc()
 
+    def _learn_local_rate(self, worker_id: str | None, item: dict[str, Any]) -> None:
+        """A decode worker's local prefill: how fast it prefills (conditional decisions)."""
+        compute_s = item.get("local_prefill_s") or 0.0
+        if worker_id is None or item.get("kv_used") or compute_s <= 0:
+            return
+        tokens = item.get("num_prompt_tokens", 0) - item.get("num_cached_tokens", 0)
+        self.rates.local_done(worker_id, tokens, compute_s, time.monotonic())
+
     def _count_local_prefill(self, request_id: str, worker_id: str | None, reason: str) -> None:
         self.metrics.local_prefills.labels(reason).inc()
+        if reason == "policy":  # the router's own choice, counted by why in the decisions
+            return
         self._log.log(
             reason,
             "%s: decode worker %s prefilled the prompt itself (%s)",
@@ -360,15 +540,15 @@ class RouterCore:
         decode_address: str,
         first_block: int,
         decode_worker: str | None,
+        route: Route,
     ) -> None:
         """Run the prefill half of dual dispatch; on failure free D to prefill locally.
 
         `p`: the chosen prefill worker, or None (no index: Serve picks one). The KV goes
         to `decode_address`, the receiver of `decode_worker`, the replica serving D.
+        The route's reservation of P's queue ends with the call.
         """
         p_target = p.worker_id if p is not None else None
-        if p_target is not None:
-            self.inflight_prefill_tokens[p_target] += len(prompt_ids)
         try:
             result = await self.prefill.prefill.remote(  # type: ignore[union-attr]
                 request_id,
@@ -393,11 +573,15 @@ class RouterCore:
             await self._cancel_kv(request_id, reason, decode_worker)
             return
         finally:
-            if p_target is not None:
-                self.inflight_prefill_tokens[p_target] -= len(prompt_ids)
-                if self.inflight_prefill_tokens[p_target] <= 0:
-                    del self.inflight_prefill_tokens[p_target]
-        self._count_placement("prefill", p_target, result.get("worker_id") or p_target)
+            route.release("prefill")
+        served = result.get("worker_id") or p_target
+        self._count_placement("prefill", p_target, served)
+        push_s = result["pack_s"] + result["transfer_s"]
+        if served is not None:
+            computed = result["num_prompt_tokens"] - result["num_cached_tokens"]
+            end_s = time.monotonic() - push_s  # when its prefill ended, about
+            self.rates.prefill_done(served, computed, result["compute_s"], end_s)
+        self.rates.push_done(push_s, result["num_blocks_sent"])
         m = self.metrics
         m.prompt_tokens.labels("prefill").inc(result["num_prompt_tokens"])
         m.hit_tokens.labels("prefill").inc(result["num_cached_tokens"])
@@ -421,7 +605,7 @@ class RouterCore:
             self._log.log(
                 "cancel_kv failed",
                 "%s: could not tell decode worker %s to stop waiting for KV (%r); it "
-                "prefills once kv_wait_timeout_s has passed",
+                "prefills once its KV wait has passed",
                 request_id,
                 worker_id,
                 exc,
@@ -431,7 +615,7 @@ class RouterCore:
             self._log.log(
                 "cancel_kv elsewhere",
                 "%s: cancel_kv reached %s, not %s (Serve routed it elsewhere); %s prefills "
-                "once kv_wait_timeout_s has passed",
+                "once its KV wait has passed",
                 request_id,
                 reached,
                 worker_id,

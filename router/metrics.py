@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pdserve.cluster.prefix_index import WorkerInfo
+from pdserve.router.disagg import REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (
@@ -25,7 +26,8 @@ _LATENCY_BUCKETS = (
 # transfer_failed: the push failed or the KV that came could not be used; kv_late: no KV
 # within kv_wait_timeout_s; prefill_failed: the prefill call failed; not_target: the
 # replica that took the call would not take KV for it; no_prefill_worker: the index
-# lists no live prefill worker; resume: a resumed stream, prefilled there on purpose.
+# lists no live prefill worker; resume: a resumed stream, prefilled there on purpose;
+# policy: conditional disaggregation chose it (pdserve_disagg_decisions_total says why).
 LOCAL_PREFILL_REASONS = (
     "transfer_failed",
     "kv_late",
@@ -33,6 +35,7 @@ LOCAL_PREFILL_REASONS = (
     "not_target",
     "no_prefill_worker",
     "resume",
+    "policy",
 )
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill_compute", "transfer", "decode_queue")
 _WORKER_GAUGES = {
@@ -42,6 +45,7 @@ _WORKER_GAUGES = {
     "kv_blocks_used": "KV blocks referenced by requests",
     "kv_blocks_total": "KV blocks in the pool",
     "pending_transfers": "KV transfers a decode worker expects, receives or holds",
+    "prefill_tokens_per_s": "Measured prefill throughput, prompt tokens per busy second",
 }
 
 
@@ -134,6 +138,15 @@ class RouterMetrics:
         )
         for reason in LOCAL_PREFILL_REASONS:  # every reason shows, at 0 until it happens
             self.local_prefills.labels(reason)
+        self.disagg_decisions = Counter(
+            "pdserve_disagg_decisions",
+            "Where each prompt was prefilled (or why it was shed), by the router's reason",
+            ["where", "reason"],
+            registry=r,
+        )
+        for where, reasons in REASONS.items():
+            for reason in reasons:
+                self.disagg_decisions.labels(where, reason)
         self.resumes = Counter(
             "pdserve_decode_resumes",
             "Streams resumed on another decode worker after theirs failed",

@@ -3,8 +3,11 @@
 Input: for each live worker of a pool, how many leading blocks of the prompt it holds
 (one index round trip) and its load (heartbeat gauges plus what this router has in
 flight there, which the heartbeat has not seen yet). Output: the cheapest worker of each
-pool; ties are broken at random. `round-robin` and `random` ignore prefix and load, for
-the benchmarks that measure what prefix-aware placement buys. Plain Python.
+pool; ties are broken at random. A prefill worker's cost is the time it would take to
+finish this prompt, its queue included, at its measured rate (`router/disagg.py`): the
+one that finishes soonest is chosen, so a slow or backed-up worker gets less.
+`round-robin` and `random` ignore prefix and load, for the benchmarks that measure what
+prefix-aware placement buys. Plain Python.
 """
 
 from __future__ import annotations
@@ -55,19 +58,27 @@ class Placer:
         matches: Mapping[str, MatchResult],
         prompt_len: int,
         inflight_tokens: Mapping[str, int],
+        rates: Mapping[str, float | None] | None = None,
     ) -> Choice | None:
-        """The prefill worker with the fewest tokens to compute before this prompt's end.
+        """The prefill worker that would finish this prompt soonest.
 
         inflight_tokens: prompt tokens this router sent to each worker, not yet done.
+        rates: each worker's prefill tokens per second (None or absent: not measured;
+        then the cost is in tokens, as if all were equally fast).
         Returns None when no prefill worker is live.
         """
+        rates = rates or {}
 
         def cost(m: MatchResult) -> float:
-            todo = prompt_len - min(m.matched_blocks * self.block_size, prompt_len)
-            queued = max(m.worker.load.get("queued_prefill_tokens", 0), 0)
-            return todo + max(queued, inflight_tokens.get(m.worker.worker_id, 0))
+            tokens = self.uncached_tokens(m, prompt_len) + queued_tokens(m, inflight_tokens)
+            rate = rates.get(m.worker.worker_id)
+            return tokens / rate if rate else float(tokens)
 
         return self._pick("prefill", list(matches.values()), cost)
+
+    def uncached_tokens(self, m: MatchResult, prompt_len: int) -> int:
+        """The prompt's tokens the worker would compute (it holds the rest)."""
+        return prompt_len - min(m.matched_blocks * self.block_size, prompt_len)
 
     def choose_decode(
         self,
@@ -83,8 +94,7 @@ class Placer:
 
         def cost(m: MatchResult) -> float:
             load = m.worker.load
-            running = load.get("running", 0) + load.get("waiting", 0)
-            running = max(running, inflight_requests.get(m.worker.worker_id, 0))
+            running = decode_running(m, inflight_requests)
             total = max(load.get("kv_blocks_total", 0), 1)
             usage_pct = 100.0 * load.get("kv_blocks_used", 0) / total
             return w.running * running + w.kv_usage * usage_pct - w.hit * m.matched_blocks
@@ -106,3 +116,17 @@ class Placer:
             lowest = min(costs)
             best = self.rng.choice([m for m, c in zip(ordered, costs, strict=True) if c == lowest])
         return Choice(best.worker.worker_id, best.worker.address, best.matched_blocks)
+
+
+def queued_tokens(m: MatchResult, inflight_tokens: Mapping[str, int]) -> int:
+    """Prompt tokens ahead of a new one on the worker: its heartbeat's, or what this
+    router sent it and has not seen done, whichever is more (the heartbeat lags)."""
+    queued = max(m.worker.load.get("queued_prefill_tokens", 0), 0)
+    return max(queued, inflight_tokens.get(m.worker.worker_id, 0))
+
+
+def decode_running(m: MatchResult, inflight_requests: Mapping[str, int]) -> int:
+    """Sequences on a decode worker: its heartbeat's, or this router's streams there."""
+    load = m.worker.load
+    running = load.get("running", 0) + load.get("waiting", 0)
+    return max(running, inflight_requests.get(m.worker.worker_id, 0))

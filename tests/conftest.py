@@ -271,9 +271,17 @@ def _read_until_ready(proc: subprocess.Popen[str], log: list[str]) -> str:
 
 @contextlib.contextmanager
 def start_cluster(model_dir: Path, *args: str) -> Iterator[str]:
-    """Run `pdserve up --model model_dir ARGS` on a free port; yield its base URL."""
+    """Run `pdserve up --model model_dir ARGS` on a free port; yield its base URL.
+
+    Unless ARGS say otherwise, `--disagg-policy always`: a disaggregated test proves the
+    split for every request (conditional disaggregation would prefill short prompts on
+    the decode worker, on purpose); tests/router/test_conditional_cluster.py runs the
+    default policy.
+    """
     argv = [sys.executable, "-m", "pdserve.deploy.cli", "up", "--model", str(model_dir)]
     argv += ["--port", str(free_port()), *args]
+    if "--disagg-policy" not in args:
+        argv += ["--disagg-policy", "always"]
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1"}
     # stderr (Ray's and the replicas' logs) goes to ours, so a failure shows it.
     proc = subprocess.Popen(

@@ -62,7 +62,8 @@ Doc = dict[str, Any]
 def render_serve_config(model_dir: Path, redis_url: str, port: int, out: Path) -> Path:
     """The repository's Serve config with only what this machine must change overridden.
 
-    1 prefill + 1 decode replica asking for no Ray CPUs, so the app fits 2 busy cores.
+    1 prefill + 1 decode replica asking for no Ray CPUs, so the app fits 2 busy cores;
+    `disagg_policy: always`, so that the short prompt below proves the split.
     """
     config = yaml.safe_load(SERVE_CONFIG.read_text())
     config["http_options"]["port"] = port
@@ -73,6 +74,7 @@ def render_serve_config(model_dir: Path, redis_url: str, port: int, out: Path) -
         prefill_replicas=1,
         decode_replicas=1,
         replica_num_cpus=0,
+        disagg_policy="always",
     )
     out.write_text(yaml.safe_dump(config, sort_keys=False))
     return out

@@ -28,6 +28,7 @@ def test_sigterm_lets_the_stream_in_flight_finish(
     (want,) = hf_greedy(model_dir, [prompt], MAX_TOKENS)
     argv = [sys.executable, "-m", "pdserve.deploy.cli", "up", "--model", str(model_dir)]
     argv += ["--port", str(free_port()), "--replica-cpus", "0", "--dtype", "float32"]
+    argv += ["--disagg-policy", "always"]  # the 24-token prompt must cross as KV
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, start_new_session=True)
     assert proc.stdout is not None
     try:

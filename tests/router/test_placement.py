@@ -54,6 +54,15 @@ def test_in_flight_tokens_the_heartbeat_has_not_seen_count_as_queue() -> None:
     assert choice is not None and choice.worker_id == "b"
 
 
+def test_prefill_goes_where_it_finishes_soonest_at_each_workers_measured_rate() -> None:
+    # a: (1000 queued + 200) / 4000 tok/s = 0.3 s; b: 200 / 500 tok/s = 0.4 s
+    p = pool(match("a", "prefill", 0, queued_prefill_tokens=1000), match("b", "prefill", 0))
+    fast_busy = placer().choose_prefill(p, 200, {}, rates={"a": 4000.0, "b": 500.0})
+    assert fast_busy is not None and fast_busy.worker_id == "a"
+    # in tokens alone (no rate measured yet), the idle one
+    assert prefill_id(placer(), p, 200) == "b"
+
+
 def test_decode_weighs_running_sequences_kv_usage_and_held_prefix() -> None:
     total = {"kv_blocks_total": 100}
     idle_holder = match("a", "decode", 8, running=0, kv_blocks_used=0, **total)

@@ -1,0 +1,213 @@
+"""Conditional disaggregation and prefill admission (docs/architecture.md, "Conditional
+disaggregation").
+
+Per request (in disagg mode), once placement chose a prefill worker P and a decode
+worker D, the router decides where the prompt is prefilled: on P, whose KV then crosses
+to D (remote), or on D itself (local). Each option is estimated as the time until this
+prompt's prefill would be done there:
+
+    seconds = (queued tokens + this prompt's uncached tokens) / measured tokens per second
+
+queued tokens: the worker's heartbeat gauge, or what this router has sent it and not
+seen finish, whichever is larger (the heartbeat lags); uncached: the prompt's tokens
+minus the blocks that worker holds; the rate: P's own measurement (heartbeat), else what
+this router measured from P's results, for D what it measured from D's local prefills,
+else the prefill pool's rate (same model, same engine). Remote adds the KV push.
+
+The rules, in order (`decide`), each a reason of `pdserve_disagg_decisions_total`:
+
+- `always` (policy "always"): remote, today's split for every prompt.
+- `short_prompt`: D's uncached part is at most `local_prefill_max_tokens`: a push would
+  cost more than computing it (unless D's queue makes it the slower option).
+- `prefill_idle`: P has nothing queued: remote, the split costs nothing to wait for.
+- `unmeasured`: no rate is known yet (the cluster's first prompts): remote.
+- `faster` (local): D finishes sooner even with its time weighted by
+  1 + `local_prefill_interference` x D's running sequences, which stall meanwhile.
+- `prefill_saturated` (local): P's queue is past `max_prefill_queue_s`, D's is not.
+- `faster` (remote): otherwise.
+
+Admission: when every option's queue (seconds of work ahead of this prompt) is past
+`max_prefill_queue_s`, the request is shed (429, Retry-After: the excess). Only the queue
+counts, not the prompt's own compute, so a long prompt is never refused by an idle
+cluster. A remote request's KV wait on D is `kv_wait_factor` x the remote estimate +
+`kv_wait_floor_s`, at most `kv_wait_timeout_s`. Plain Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.prefix_index import MatchResult
+from pdserve.cluster.rate_meter import RateMeter
+
+# where -> the reasons it is decided for (metric labels; every pair is exported at 0)
+REASONS: dict[str, tuple[str, ...]] = {
+    "remote": ("always", "prefill_idle", "unmeasured", "faster", "unplaced"),
+    "local": ("short_prompt", "faster", "prefill_saturated", "no_prefill_worker", "resume"),
+    "shed": ("over_capacity",),
+}
+# the local decisions that are the policy's choice (local-prefill counter reason "policy")
+POLICY_LOCAL = ("short_prompt", "faster", "prefill_saturated")
+RATE_GAUGE = "prefill_tokens_per_s"  # what a prefill worker's heartbeat publishes
+
+
+@dataclass(frozen=True)
+class Option:
+    """One place to prefill a prompt, with what is known of its speed and queue."""
+
+    worker_id: str
+    uncached_tokens: int
+    queued_tokens: int
+    tokens_per_s: float | None  # None: not measured yet
+    extra_s: float = 0.0  # after the prefill, before D has the KV (the push)
+
+    @property
+    def queue_s(self) -> float | None:
+        """Seconds of work ahead of this prompt there."""
+        if self.tokens_per_s is None:
+            return None
+        return self.queued_tokens / self.tokens_per_s
+
+    @property
+    def seconds(self) -> float | None:
+        """Seconds until this prompt's prefill is done there (and its KV pushed)."""
+        if self.tokens_per_s is None:
+            return None
+        return (self.queued_tokens + self.uncached_tokens) / self.tokens_per_s + self.extra_s
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a prompt is prefilled, why, and the chosen option's estimate."""
+
+    where: str  # "remote", "local" or "shed"
+    reason: str
+    estimate_s: float | None = None
+    retry_after_s: float = 0.0  # shed: how far the shortest queue is past the bound
+
+    @property
+    def local_prefill_reason(self) -> str | None:
+        """The local-prefill counter's reason for a local decision (None: remote)."""
+        if self.where != "local":
+            return None
+        return "policy" if self.reason in POLICY_LOCAL else self.reason
+
+
+def decide(
+    config: ClusterConfig,
+    remote: Option | None,
+    local: Option | None,
+    decode_running: int,
+) -> Decision:
+    """Where to prefill (see the module's rules), or shed past capacity.
+
+    remote: the chosen prefill worker (None: no prefill worker is live); local: the
+    chosen decode worker (None: placement chose none, Serve picks it); decode_running:
+    sequences D is decoding.
+    """
+    if remote is None:
+        return Decision("local", "no_prefill_worker", local.seconds if local else None)
+    if local is None:
+        return Decision("remote", "unplaced", remote.seconds)
+    if config.disagg_policy == "always":
+        return _admit(config, Decision("remote", "always", remote.seconds), [remote])
+    remote_s, local_s = remote.seconds, local.seconds
+    if local.uncached_tokens <= config.local_prefill_max_tokens and not (
+        remote_s is not None and local_s is not None and local_s > remote_s
+    ):
+        choice = Decision("local", "short_prompt", local_s)
+    elif remote.queued_tokens <= 0:
+        choice = Decision("remote", "prefill_idle", remote_s)
+    elif remote_s is None or local_s is None:
+        choice = Decision("remote", "unmeasured", remote_s)
+    elif local_s * (1.0 + config.local_prefill_interference * decode_running) < remote_s:
+        choice = Decision("local", "faster", local_s)
+    elif _past(remote.queue_s, config) and not _past(local.queue_s, config):
+        choice = Decision("local", "prefill_saturated", local_s)
+    else:
+        choice = Decision("remote", "faster", remote_s)
+    return _admit(config, choice, [remote, local])
+
+
+def _past(queue_s: float | None, config: ClusterConfig) -> bool:
+    return queue_s is not None and queue_s > config.max_prefill_queue_s
+
+
+def _admit(config: ClusterConfig, choice: Decision, options: list[Option]) -> Decision:
+    """`choice`, or a shed decision when every option's queue is past the bound."""
+    waits = [o.queue_s for o in options]
+    if not all(_past(w, config) for w in waits):
+        return choice
+    excess = min(w for w in waits if w is not None) - config.max_prefill_queue_s
+    return Decision("shed", "over_capacity", choice.estimate_s, excess)
+
+
+def kv_wait_s(config: ClusterConfig, decision: Decision) -> float | None:
+    """How long D waits for a remote prefill's KV (None: D's own `kv_wait_timeout_s`)."""
+    if decision.where != "remote" or decision.estimate_s is None:
+        return None
+    wait = config.kv_wait_factor * decision.estimate_s + config.kv_wait_floor_s
+    return min(wait, config.kv_wait_timeout_s)
+
+
+class RateBook:
+    """What this router measured of each worker's prefill speed, and of KV pushes.
+
+    Prefill workers publish their own rate (more exact: they see their batches); the
+    router's own measurement of their results is the fallback. Decode workers' rates
+    come only from their local prefills as this router saw them.
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.prefill: dict[str, RateMeter] = {}
+        self.local: dict[str, RateMeter] = {}
+        self.push_s_per_block: float | None = None
+
+    def prefill_done(self, worker_id: str, tokens: int, compute_s: float, end_s: float) -> None:
+        meter = self.prefill.setdefault(worker_id, RateMeter(self.decay))
+        meter.add(tokens, end_s - compute_s, end_s)
+
+    def local_done(self, worker_id: str, tokens: int, compute_s: float, end_s: float) -> None:
+        meter = self.local.setdefault(worker_id, RateMeter(self.decay))
+        meter.add(tokens, end_s - compute_s, end_s)
+
+    def push_done(self, seconds: float, blocks: int) -> None:
+        if blocks <= 0:
+            return
+        per_block = seconds / blocks
+        old = self.push_s_per_block
+        self.push_s_per_block = (
+            per_block if old is None else old * self.decay + per_block * (1.0 - self.decay)
+        )
+
+    def prefill_rates(self, matches: Mapping[str, MatchResult]) -> dict[str, float | None]:
+        """Each prefill worker's rate; one not measured yet gets the pool's mean."""
+        own = {w: self._prefill_rate(m) for w, m in matches.items()}
+        known = [r for r in own.values() if r is not None]
+        mean = sum(known) / len(known) if known else None
+        return {w: mean if r is None else r for w, r in own.items()}
+
+    def local_rate(self, worker_id: str, pool_rate: float | None) -> float | None:
+        meter = self.local.get(worker_id)
+        rate = meter.tokens_per_s if meter is not None else None
+        return pool_rate if rate is None else rate
+
+    def push_s(self, blocks: int) -> float:
+        return 0.0 if self.push_s_per_block is None else blocks * self.push_s_per_block
+
+    def forget_except(self, live: Iterable[str]) -> None:
+        """Drop what is known of workers no longer live (replica churn)."""
+        keep = set(live)
+        for book in (self.prefill, self.local):
+            for worker_id in [w for w in book if w not in keep]:
+                del book[worker_id]
+
+    def _prefill_rate(self, m: MatchResult) -> float | None:
+        published = m.worker.load.get(RATE_GAUGE, 0)
+        if published > 0:
+            return float(published)
+        meter = self.prefill.get(m.worker.worker_id)
+        return meter.tokens_per_s if meter is not None else None

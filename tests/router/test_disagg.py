@@ -1,0 +1,210 @@
+"""Conditional disaggregation, prefill admission and the rates they rest on (router/disagg.py).
+
+Plain Python: the decision is a function of estimates, the estimates of measured rates
+and queues; the cluster test (test_conditional_cluster.py) shows them on real workers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
+from pdserve.cluster.rate_meter import RateMeter
+from pdserve.router.core import Placed, Route
+from pdserve.router.disagg import REASONS, Decision, Option, RateBook, decide, kv_wait_s
+
+RATE = 1000.0  # tokens per second, both sides unless a test says otherwise
+
+
+def config(**fields: Any) -> ClusterConfig:
+    return ClusterConfig(model="unused", **fields)
+
+
+def remote(uncached: int = 512, queued: int = 0, rate: float | None = RATE) -> Option:
+    return Option("p", uncached, queued, rate)
+
+
+def local(uncached: int = 512, queued: int = 0, rate: float | None = RATE) -> Option:
+    return Option("d", uncached, queued, rate)
+
+
+def test_estimates_are_queue_plus_prompt_over_the_rate_plus_the_push() -> None:
+    o = Option("p", uncached_tokens=500, queued_tokens=1500, tokens_per_s=1000.0, extra_s=0.25)
+    assert o.queue_s == pytest.approx(1.5)
+    assert o.seconds == pytest.approx(2.25)
+    unmeasured = Option("p", 500, 1500, None)
+    assert unmeasured.queue_s is None and unmeasured.seconds is None
+
+
+def test_always_keeps_the_split_whatever_the_queues() -> None:
+    d = decide(config(disagg_policy="always"), remote(queued=3000), local(uncached=8), 0)
+    assert (d.where, d.reason) == ("remote", "always")
+    assert d.estimate_s == pytest.approx(3.512)
+    assert d.local_prefill_reason is None
+
+
+def test_a_short_uncached_prompt_is_prefilled_on_the_decode_worker() -> None:
+    cfg = config()  # local_prefill_max_tokens 32
+    d = decide(cfg, remote(uncached=600), local(uncached=32), 0)
+    assert (d.where, d.reason, d.local_prefill_reason) == ("local", "short_prompt", "policy")
+    # uncached counts D's held prefix: a long prompt whose blocks D holds is short there
+    assert decide(cfg, remote(uncached=600), local(uncached=20), 3).reason == "short_prompt"
+    assert decide(cfg, remote(uncached=600), local(uncached=33), 0).where == "remote"
+    # ... unless D's own queue makes it the slower place
+    busy_decode = decide(cfg, remote(uncached=30), local(uncached=30, queued=5000), 0)
+    assert (busy_decode.where, busy_decode.reason) == ("remote", "prefill_idle")
+
+
+def test_an_idle_prefill_worker_takes_the_prompt_even_when_decode_is_as_fast() -> None:
+    d = decide(config(), remote(queued=0), local(queued=0), 0)
+    assert (d.where, d.reason) == ("remote", "prefill_idle")
+
+
+def test_without_a_measured_rate_the_split_happens() -> None:
+    d = decide(config(), remote(queued=4000, rate=None), local(rate=None), 0)
+    assert (d.where, d.reason, d.estimate_s) == ("remote", "unmeasured", None)
+
+
+def test_the_decode_worker_prefills_when_it_finishes_sooner_interference_included() -> None:
+    cfg = config(local_prefill_interference=0.05)
+    # P: 1000 queued + 512 = 1.512 s; D: 0.512 s x (1 + 0.05 x 10) = 0.768 s
+    d = decide(cfg, remote(queued=1000), local(), decode_running=10)
+    assert (d.where, d.reason) == ("local", "faster")
+    assert d.estimate_s == pytest.approx(0.512)
+    # with 40 running sequences D's prefill counts 3x (1.536 s): P is sooner
+    d = decide(cfg, remote(queued=1000), local(), decode_running=40)
+    assert (d.where, d.reason) == ("remote", "faster")
+    assert d.estimate_s == pytest.approx(1.512)
+
+
+def test_a_saturated_prefill_pool_hands_prompts_to_a_decode_worker_within_the_bound() -> None:
+    cfg = config(local_prefill_interference=1.0, max_prefill_queue_s=4.0)
+    # D is weighted 11x (0.512 x 11 = 5.6 s > P's 4.6 s) but P's queue is past 4 s
+    d = decide(cfg, remote(queued=4100, uncached=512), local(), decode_running=10)
+    assert (d.where, d.reason) == ("local", "prefill_saturated")
+
+
+def test_past_capacity_everywhere_the_request_is_shed() -> None:
+    cfg = config(max_prefill_queue_s=4.0)
+    d = decide(cfg, remote(queued=6000), local(queued=5000), 0)
+    assert (d.where, d.reason) == ("shed", "over_capacity")
+    assert d.retry_after_s == pytest.approx(1.0)  # the shortest queue's excess
+    # always: only the prefill pool counts
+    d = decide(config(disagg_policy="always"), remote(queued=4500), local(queued=0), 0)
+    assert (d.where, d.retry_after_s) == ("shed", pytest.approx(0.5))
+    # one option within the bound: served there
+    assert decide(cfg, remote(queued=6000), local(queued=3000), 0).where == "local"
+
+
+def test_a_long_prompt_is_not_shed_by_an_idle_cluster() -> None:
+    # 20 s of its own compute, nothing queued: only queues count against the bound
+    d = decide(config(max_prefill_queue_s=4.0), remote(uncached=20_000), local(20_000), 0)
+    assert (d.where, d.reason) == ("remote", "prefill_idle")
+
+
+def test_unmeasured_queues_are_never_shed() -> None:
+    d = decide(config(max_prefill_queue_s=0.001), remote(queued=10**6, rate=None), local(), 0)
+    assert d.where == "remote"
+
+
+def test_missing_options_keep_todays_behaviour() -> None:
+    no_prefill = decide(config(), None, local(), 0)
+    assert (no_prefill.where, no_prefill.local_prefill_reason) == ("local", "no_prefill_worker")
+    unplaced = decide(config(), remote(), None, 0)
+    assert (unplaced.where, unplaced.reason) == ("remote", "unplaced")
+
+
+def test_every_decision_is_a_declared_reason() -> None:
+    cfg = config()
+    cases = [
+        (remote(uncached=600), local(uncached=8), 0),
+        (remote(queued=0), local(), 0),
+        (remote(queued=100, rate=None), local(), 0),
+        (remote(queued=5000), local(), 0),
+        (remote(queued=600), local(), 0),
+        (remote(queued=9000), local(queued=9000), 0),
+    ]
+    for r, lo, running in cases:
+        d = decide(cfg, r, lo, running)
+        assert d.reason in REASONS[d.where], d
+
+
+def test_the_kv_wait_follows_the_estimate_under_the_maximum() -> None:
+    cfg = config(kv_wait_factor=2.0, kv_wait_floor_s=1.0, kv_wait_timeout_s=10.0)
+    assert kv_wait_s(cfg, Decision("remote", "faster", 2.0)) == pytest.approx(5.0)
+    assert kv_wait_s(cfg, Decision("remote", "faster", 30.0)) == pytest.approx(10.0)
+    assert kv_wait_s(cfg, Decision("remote", "unmeasured", None)) is None
+    assert kv_wait_s(cfg, Decision("local", "faster", 2.0)) is None
+    # the defaults: a request admitted at the bound still waits under the maximum
+    d = config()
+    at_bound = d.max_prefill_queue_s  # its queue; its own compute adds to it
+    assert d.kv_wait_factor * at_bound + d.kv_wait_floor_s <= d.kv_wait_timeout_s
+
+
+def test_the_rate_counts_busy_time_once_for_a_batch() -> None:
+    meter = RateMeter(decay=0.5, min_tokens=64)
+    assert meter.tokens_per_s is None
+    # two 500-token prompts prefilled in the same second: 1000 tokens/s, not 500
+    meter.add(500, 10.0, 11.0)
+    meter.add(500, 10.0, 11.0)
+    assert meter.tokens_per_s == pytest.approx(1000.0)
+    fresh = RateMeter(decay=0.0, min_tokens=64)
+    fresh.add(500, 10.0, 11.0)
+    fresh.add(300, 10.5, 11.5)  # half of it overlaps the first: 0.5 s more busy
+    assert fresh.tokens_per_s == pytest.approx(300 / 0.5)
+
+
+def test_the_rate_ignores_tiny_prompts() -> None:
+    meter = RateMeter(min_tokens=64)
+    meter.add(1, 0.0, 0.01)  # `pdserve up`'s readiness probe: 100 tokens/s, meaningless
+    assert meter.tokens_per_s is None
+    meter.add(640, 1.0, 2.0)
+    assert meter.tokens_per_s == pytest.approx(640.0)
+    with pytest.raises(ValueError):
+        RateMeter(decay=1.0)
+
+
+def match(worker_id: str, role: str, **load: int) -> MatchResult:
+    return MatchResult(WorkerInfo(worker_id, role, "", 1, load), 0)
+
+
+def test_published_rates_win_and_unmeasured_workers_get_the_pools_mean() -> None:
+    book = RateBook(decay=0.0)
+    book.prefill_done("b", 800, compute_s=1.0, end_s=5.0)  # measured by this router only
+    pool = {
+        "a": match("a", "prefill", prefill_tokens_per_s=1200),
+        "b": match("b", "prefill"),
+        "c": match("c", "prefill"),
+    }
+    rates = book.prefill_rates(pool)
+    assert rates == {"a": 1200.0, "b": pytest.approx(800.0), "c": pytest.approx(1000.0)}
+    assert book.local_rate("d", pool_rate=1000.0) == 1000.0  # no local prefill seen yet
+    book.local_done("d", 300, compute_s=0.5, end_s=9.0)
+    assert book.local_rate("d", pool_rate=1000.0) == pytest.approx(600.0)
+    book.forget_except(["a", "c"])
+    assert "b" not in book.prefill and "d" not in book.local
+
+
+def test_push_time_is_learned_per_block() -> None:
+    book = RateBook(decay=0.5)
+    assert book.push_s(10) == 0.0
+    book.push_done(0.2, 10)
+    book.push_done(0.4, 10)
+    assert book.push_s(10) == pytest.approx(0.3)
+
+
+def test_a_route_releases_what_it_reserved_exactly_once() -> None:
+    queued: Counter[str] = Counter({"p": 100})
+    route = Route(Placed(None, None, True), Decision("remote", "faster", 1.0), 3.0)
+    route.hold("prefill", queued, "p", 512)
+    assert queued["p"] == 612
+    route.release("prefill")
+    route.release("prefill")
+    route.release()
+    assert queued == Counter({"p": 100})
+    route.hold("local", queued, "d", 0)  # nothing to compute: nothing reserved
+    assert "d" not in queued
