@@ -114,7 +114,9 @@ class DecodeWorker:
             return None
 
         release = received.release if received is not None else None
-        async for out in self.engine.stream(request_id, start, on_started=release):
+        # coalesce: a stream that falls behind sends several tokens per message
+        stream = self.engine.stream(request_id, start, on_started=release, coalesce=True)
+        async for out in stream:
             yield out
 
     async def _claim(

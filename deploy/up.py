@@ -115,7 +115,7 @@ def run_up(
     from ray import serve
     from ray.serve.schema import LoggingConfig
 
-    from pdserve.deploy.app import APP_NAME, build_app
+    from pdserve.deploy.app import APP_NAME, apply_serve_env, build_app
 
     stop = stop_event or threading.Event()
 
@@ -133,6 +133,7 @@ def run_up(
         )
         if address is None:
             _say("starting a local Ray cluster")
+            apply_serve_env(os.environ)  # the local cluster's processes inherit it
             needed = int(replicas * config.replica_num_cpus) + 1
             ray.init(
                 include_dashboard=False,

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import RequestOutput, merge_outputs
 
 T = TypeVar("T")
 _IDLE_WAIT_S = 1.0  # how often an idle engine thread re-checks for shutdown
@@ -70,6 +70,7 @@ class AsyncEngine:
         start: Callable[[LLMEngine], RequestOutput | None],
         on_started: Callable[[], None] | None = None,
         on_finish: Callable[[LLMEngine], Any] | None = None,
+        coalesce: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Register a stream, run `start(engine)` (which adds the request), yield outputs.
 
@@ -79,6 +80,10 @@ class AsyncEngine:
         the request, before any other step (a prefill exports its KV there rather than
         waiting for a step boundary); `take_finish_result` returns what it returned.
         Leaving the iteration early aborts the request and frees its blocks.
+
+        `coalesce`: when the caller falls behind (several outputs of the request already
+        queued when it asks for the next), they come as one merged output. Nothing is
+        ever held back waiting for a later one: an output alone in the queue goes at once.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -100,10 +105,18 @@ class AsyncEngine:
             await self.call(start_and_queue_first)
             if on_started is not None:
                 on_started()
+            pending: Any = None  # an error found while coalescing, raised next
             while not finished:
-                item = await queue.get()
+                item = await queue.get() if pending is None else pending
+                pending = None
                 if isinstance(item, BaseException):
                     raise item
+                while coalesce and not item.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        pending = later
+                        break
+                    item = merge_outputs(item, later)
                 finished = item.finished
                 yield item
         finally:
@@ -198,19 +211,29 @@ class AsyncEngine:
                 self._finish_results[request_id] = exc
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up of each caller's loop per step, not one per output (a step of 64
+        # streams made 64 self-pipe writes and 64 loop callbacks).
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         for out in outputs:
             if out.finished:
                 self._run_on_finish(out.request_id)
             target = self._streams.get(out.request_id)
             if target is not None:
                 loop, queue = target
-                with contextlib.suppress(RuntimeError):  # the loop closed under us
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                batches.setdefault(loop, []).append((queue, out))
+        for loop, batch in batches.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed under us
+                loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail_all(self, exc: BaseException) -> None:
         for loop, queue in list(self._streams.values()):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.engine.sequence import FinishReason, Sequence, TokenLogprobs
@@ -25,6 +26,20 @@ class RequestOutput:
     # time.monotonic() of the request's arrival and first admission (for TTFT breakdowns)
     arrival_s: float = 0.0
     first_scheduled_s: float | None = None
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output that stands for two consecutive outputs of one request.
+
+    A stream that falls behind the engine (its reader busy with other streams) then sends
+    one message for several tokens instead of one per token; the cumulative fields are
+    the later output's already.
+    """
+    return dataclasses.replace(
+        later,
+        new_token_ids=earlier.new_token_ids + later.new_token_ids,
+        new_text=earlier.new_text + later.new_text,
+    )
 
 
 class TextTracker:

@@ -284,6 +284,20 @@ def test_ray_versions_agree(manifests: list[Doc]) -> None:
     assert match.group(1) == ray_version == ray.__version__
 
 
+def test_the_image_sets_the_serve_settings_the_app_gives_its_replicas() -> None:
+    """The HTTP proxy of a node reads Serve's settings from the node's environment only."""
+    from pdserve.deploy.app import SERVE_ENV
+
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    env = dict(
+        pair.split("=", 1)
+        for line in text.splitlines()
+        if line.startswith("ENV RAY_SERVE_")
+        for pair in line.split()[1:]
+    )
+    assert env == SERVE_ENV
+
+
 def test_selectors_match_pod_templates(manifests: list[Doc]) -> None:
     templates = all_templates(manifests)
     for service in of_kind(manifests, "Service"):

@@ -11,7 +11,8 @@ from pdserve.engine.outputs import RequestOutput
 
 
 def output(request_id: str, token: int, finished: bool) -> RequestOutput:
-    return RequestOutput(request_id, [1], [token], "", finished, "length" if finished else None)
+    reason = "length" if finished else None
+    return RequestOutput(request_id, [1], [token], "", finished, reason, new_token_ids=[token])
 
 
 class InstantEngine:
@@ -130,3 +131,30 @@ def test_on_finish_runs_right_after_the_finishing_step_and_returns_its_result() 
     got, error = asyncio.run(run())
     assert got == [True] * 20
     assert error == "export failed"
+
+
+def test_a_stream_that_falls_behind_gets_its_queued_outputs_as_one() -> None:
+    """coalesce=True: outputs already queued come merged; nothing waits for a later one."""
+
+    async def run(coalesce: bool) -> tuple[list[int], list[list[int]], bool]:
+        aengine = AsyncEngine(InstantEngine())  # type: ignore[arg-type]
+        try:
+            stream = aengine.stream(
+                "r", lambda e: e.add("r", list(range(10, 20))), coalesce=coalesce
+            ).__aiter__()
+            first = await stream.__anext__()  # the start's own output, at once
+            # The reader is away while the engine finishes the request: a command runs
+            # between steps, after the previous step's outputs were queued here.
+            while await aengine.call(lambda e: e.has_unfinished):
+                pass
+            rest = [out async for out in stream]
+            return first.new_token_ids, [out.new_token_ids for out in rest], rest[-1].finished
+        finally:
+            await aengine.close()
+
+    first, rest, finished = asyncio.run(run(coalesce=True))
+    assert first == [10]
+    assert rest == [list(range(11, 20))]
+    assert finished
+    first, rest, _ = asyncio.run(run(coalesce=False))
+    assert rest == [[t] for t in range(11, 20)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,52 @@ def test_extreme_but_legal_sampling_values_never_break_a_step() -> None:
     assert out.token_ids[1] == int(logits[1].argmax())
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=2**70)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=4, top_p=0.9),
+    ],
+    ids=["plain", "top_k", "top_p", "both"],
+)
+@pytest.mark.parametrize("seed", [None, 11])
+def test_draws_follow_the_filtered_tempered_distribution(
+    params: SamplingParams, seed: int | None
+) -> None:
+    """Each token is drawn with its probability (5-sigma bounds), from the engine's
+    generator or, seeded, across positions."""
+    from pdserve.engine.sampler import Sampler
+
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    # The reference: tempered softmax, top-k, then top-p on the sorted probabilities.
+    probs = (logits / params.temperature).softmax(-1)
+    if params.top_k:
+        probs[probs.argsort(descending=True)[params.top_k :]] = 0
+        probs /= probs.sum()
+    order = probs.argsort(descending=True)
+    above = probs[order].cumsum(0) - probs[order]
+    probs[order[above >= params.top_p]] = 0
+    probs /= probs.sum()
+
+    n = 40_000
+    params = dataclasses.replace(params, seed=seed)
+    out = Sampler(0, torch.device("cpu"))(logits.repeat(n, 1), list(range(n)), [params] * n)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=8).double()
+    sigma = (n * probs * (1 - probs)).sqrt()
+    assert counts[probs == 0].sum() == 0
+    assert ((counts - n * probs).abs() <= 5 * sigma + 1e-9).all(), (counts / n, probs)
+
+
+def test_a_seeded_draw_does_not_depend_on_the_other_rows_filters() -> None:
+    from pdserve.engine.sampler import Sampler
+
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    seeded = SamplingParams(temperature=1.0, top_k=5, seed=7)
+    alone = Sampler(0, torch.device("cpu"))(logits[:1], [3], [seeded]).token_ids
+    for other in (SamplingParams(top_k=50, seed=1), SamplingParams(top_p=0.5), seeded):
+        batch = Sampler(1, torch.device("cpu"))(logits, [3, 9, 4], [seeded, other, other])
+        assert batch.token_ids[0] == alone[0]
