@@ -520,7 +520,10 @@ class RouterCore:
 
     async def _next(self, stream: Any, timeout_s: float, what: str) -> dict[str, Any]:
         try:
-            return dict(await asyncio.wait_for(stream.__anext__(), timeout_s))
+            # asyncio.timeout, not wait_for: wait_for wraps every item's await in a new
+            # task, and this runs once per message of every stream
+            async with asyncio.timeout(timeout_s):
+                return dict(await stream.__anext__())
         except TimeoutError as exc:
             raise UpstreamError(f"no {what} from the decode worker within {timeout_s:g}s") from exc
         except StopAsyncIteration as exc:
