@@ -7,6 +7,7 @@ fields of `ClusterConfig`), so `serve run` / `serve deploy` start the same thing
 
 from __future__ import annotations
 
+import os
 from collections.abc import MutableMapping
 from typing import Any, cast
 
@@ -81,8 +82,11 @@ def build_app(config: ClusterConfig) -> Application:
     cfg = config.resolved()
     args = cfg.model_dump(mode="json")
     # The replicas get SERVE_ENV wherever they run (a cluster joined with --address, or
-    # `serve deploy`): the HTTP proxy reads it from the nodes' own environment.
-    runtime_env = {"env_vars": dict(SERVE_ENV)}
+    # `serve deploy`); the HTTP proxy reads it from the nodes' own environment. Where this
+    # process has it already (`pdserve up`'s local cluster, the Docker image), so do the
+    # workers: no runtime_env then, which would start every replica in a fresh worker.
+    env_set = all(os.environ.get(name) == value for name, value in SERVE_ENV.items())
+    runtime_env: dict[str, Any] = {} if env_set else {"env_vars": dict(SERVE_ENV)}
     worker_options: dict[str, Any] = {
         "ray_actor_options": {
             "num_cpus": cfg.replica_num_cpus,
