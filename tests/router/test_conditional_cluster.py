@@ -14,8 +14,8 @@ prefill work is past it:
   split.
 
 Everything here follows from queues and counters, not from timing: the frozen worker
-holds the queues in place, and each step waits (polling /metrics) for the router to have
-decided the previous request.
+holds the queues in place, and each step waits (polling /metrics) for the heartbeats to
+show empty queues, then for the router to have decided the previous request.
 """
 
 from __future__ import annotations
@@ -130,7 +130,16 @@ def test_conditional_decisions_the_split_and_shedding(
         assert blocks1 >= blocks0 + LONG // 8
         assert new_local_prefills() == {"policy": 1}
 
-        decode = next(w for w in api.get_json(f"{url}/workers")["workers"] if w["role"] == "decode")
+        workers = api.get_json(f"{url}/workers")["workers"]
+        decode = next(w for w in workers if w["role"] == "decode")
+
+        def queues_empty() -> bool:  # as the index says: a heartbeat may still show a prompt
+            gauge = "pdserve_worker_queued_prefill_tokens"
+            return not any(
+                api.metric(url, gauge, worker=w["worker_id"], role=w["role"]) for w in workers
+            )
+
+        wait_for("the heartbeats show empty queues", queues_empty)
         os.kill(decode["pid"], signal.SIGSTOP)
         try:
             first = send(url, model, longs[1])  # P is idle: remote, and it waits for D
