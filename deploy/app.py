@@ -8,46 +8,18 @@ fields of `ClusterConfig`), so `serve run` / `serve deploy` start the same thing
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
 from typing import Any, cast
 
 from ray.serve import Application, Deployment
 
 from pdserve.cluster.config import ClusterConfig, PoolAutoscaling
 from pdserve.decode_worker.deployment import DecodeServer
+from pdserve.deploy.serve_env import SERVE_ENV, apply_serve_env
 from pdserve.prefill_worker.deployment import PrefillServer
 from pdserve.router.app import Router
 
 APP_NAME = "pdserve"
-
-# Ray Serve's own settings for a streaming-heavy application (read from the environment of
-# each Serve process when Ray imports Serve). Every token crosses two Serve hops (decode
-# replica -> router replica -> HTTP proxy); with Serve's defaults each hop also crosses
-# threads (user code and the handle's router each run in a loop of their own thread) and
-# streams through Ray's object-ref generators. Measured, tiny model, 64 streams, 2 cores:
-# 1,028 output tok/s with the defaults, 1,901-2,058 with these (benchmarks/stream_capacity.py
-# measures the path alone).
-SERVE_ENV = {
-    # user code on the replica's main event loop (pdserve's never blocks it: the engine
-    # steps on its own thread)
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    # a handle's request router on the caller's loop, not a loop of its own
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    # handle calls and proxy -> ingress calls as gRPC streams between the processes
-    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-    "RAY_SERVE_PROXY_USE_GRPC": "1",
-    # request-path log lines buffered (only warnings are logged per request anyway)
-    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
-}
-
-
-def apply_serve_env(environ: MutableMapping[str, str]) -> None:
-    """Put SERVE_ENV into `environ` (e.g. os.environ before a local `ray.init`), keeping
-    any value the operator set."""
-    for name, value in SERVE_ENV.items():
-        environ.setdefault(name, value)
-
-
+__all__ = ["APP_NAME", "SERVE_ENV", "app_builder", "apply_serve_env", "build_app"]
 _TARGETED = {"request_router_class": "pdserve.router.request_router:TargetedRequestRouter"}
 
 

@@ -80,6 +80,12 @@ def _api_keys(path: str | None) -> list[str]:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from pdserve.deploy.serve_env import apply_serve_env
+
+    # Before anything imports ray.serve: the handles this process builds keep the
+    # transport Serve chose at that import (gRPC only if the setting is there by then).
+    apply_serve_env(os.environ)
+
     from pdserve.cluster.config import ClusterConfig, ConfigError
     from pdserve.deploy.up import run_up
     from pdserve.engine.demo_model import resolve_model

@@ -103,3 +103,29 @@ def test_console_script_is_installed(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "generate" in result.stdout and "demo-model" in result.stdout
+
+
+def test_up_puts_serve_settings_in_place_before_serve_is_imported(random_model_dir: Path) -> None:
+    """Serve fixes a handle's transport (gRPC or object refs) when `ray.serve` is first
+    imported: `pdserve up` must have its settings in the environment by then."""
+    code = (
+        "import os, sys\n"
+        "for name in list(os.environ):\n"
+        "    if name.startswith('RAY_SERVE_'): del os.environ[name]\n"
+        "from pdserve.deploy import cli\n"
+        "assert 'ray.serve' not in sys.modules, 'the CLI imports Serve too early'\n"
+        "import pdserve.deploy.up as up\n"
+        "def fake_run_up(config, *args, **kw):\n"
+        "    from ray.serve._private.handle_options import DynamicHandleOptions\n"
+        "    print('by_reference', DynamicHandleOptions()._by_reference)\n"
+        "    return 0\n"
+        "up.run_up = fake_run_up\n"
+        "sys.exit(cli.main(['up', '--model', sys.argv[1]]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(random_model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "by_reference False" in result.stdout, result.stdout + result.stderr

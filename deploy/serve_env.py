@@ -1,0 +1,36 @@
+"""Ray Serve's own settings for pdserve, kept free of Ray imports.
+
+Serve reads them from the environment when `ray.serve` is first imported in a process
+(a handle's transport is fixed then, in the process that builds the app): so they must be
+in the environment before that import, which is why this module imports no Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+# Settings for a streaming-heavy application. Every token crosses two Serve hops (decode
+# replica -> router replica -> HTTP proxy); with Serve's defaults each hop also crosses
+# threads (user code and the handle's router each run in a loop of their own thread) and
+# streams through Ray's object-ref generators. Measured, tiny model, 64 streams, 2 cores:
+# 1,028 output tok/s with the defaults, 1,901-2,058 with these (benchmarks/stream_capacity.py
+# measures the path alone).
+SERVE_ENV = {
+    # user code on the replica's main event loop (pdserve's never blocks it: the engine
+    # steps on its own thread)
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    # a handle's request router on the caller's loop, not a loop of its own
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    # handle calls and proxy -> ingress calls as gRPC streams between the processes
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    # request-path log lines buffered (only warnings are logged per request anyway)
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+}
+
+
+def apply_serve_env(environ: MutableMapping[str, str]) -> None:
+    """Put SERVE_ENV into `environ` (e.g. os.environ before a local `ray.init`), keeping
+    any value the operator set."""
+    for name, value in SERVE_ENV.items():
+        environ.setdefault(name, value)
