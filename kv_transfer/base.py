@@ -31,6 +31,7 @@ Who frees what, when (docs/kv-handoff.md):
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import ctypes.util
 import hmac
@@ -60,6 +61,7 @@ from pdserve.kv_transfer.errors import (
 from pdserve.protos import kv_transfer_pb2 as pb
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_EXPIRED_KEPT = 4096  # expired request ids a receiver remembers for their late claim
 Payload = bytes | bytearray | memoryview | np.ndarray
 
 
@@ -433,6 +435,10 @@ class ReceiverCore:
         self.on_lease_end = on_lease_end  # metrics hook: KV freed because its lease ended
         self.pool = BufferPool(config.buffer_pool_bytes)
         self._slots: dict[str, _Slot] = {}
+        # ids whose wait ran out before anyone claimed them (the claimer may come later:
+        # a streaming call's generator runs only when its caller asks for the next item),
+        # so that claim says "timed out", not "never expected"; the oldest are forgotten
+        self._expired: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # -- decode side -------------------------------------------------------------
 
@@ -473,6 +479,9 @@ class ReceiverCore:
         """
         slot = self._slots.get(request_id)
         if slot is None:
+            if request_id in self._expired:
+                del self._expired[request_id]
+                raise TransferTimeoutError(f"no KV for {request_id!r} before its wait ran out")
             raise UnknownRequestError(f"request {request_id!r} is not expected")
         try:
             received = await asyncio.wait_for(asyncio.shield(slot.future), timeout_s)
@@ -487,6 +496,7 @@ class ReceiverCore:
 
     def cancel(self, request_id: str) -> None:
         """Forget a request: free whatever arrived or is arriving for it. Idempotent."""
+        self._expired.pop(request_id, None)
         slot = self._slots.get(request_id)
         if slot is not None:
             _set_error(slot.future, UnknownRequestError(f"request {request_id!r} cancelled"))
@@ -616,6 +626,9 @@ class ReceiverCore:
         slot = self._slots.get(request_id)
         if slot is not None:
             _set_error(slot.future, TransferTimeoutError(f"{request_id!r}: {why}"))
+            self._expired[request_id] = None
+            while len(self._expired) > _EXPIRED_KEPT:
+                self._expired.popitem(last=False)
         self._drop(request_id)
 
     def _expire_lease(self, request_id: str) -> None:

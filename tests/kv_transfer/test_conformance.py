@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -411,6 +412,38 @@ def test_a_refused_push_leaves_the_sender_able_to_push_again(transport: Any, ref
             assert np.array_equal(got.payload, payload)
             got.release()
             assert receiver.num_pending == 0 and receiver.core.num_buffered_bytes == 0
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    transport.run(body())
+
+
+def test_a_claim_after_the_wait_ran_out_says_timed_out_and_late_kv_is_refused(
+    transport: Any,
+) -> None:
+    """A streaming call's generator may reach its claim only after the expectation
+    expired: that is late KV (TransferTimeoutError), not an unknown request."""
+    layout = transport.layout()
+    payload = random_payload(layout, 1)
+
+    async def body() -> None:
+        receiver = transport.make_receiver(transport.config(layout))
+        address = await receiver.start()
+        sender = transport.make_sender()
+        try:
+            receiver.expect("req", timeout_s=0.01)
+            deadline = time.monotonic() + 10
+            while receiver.num_pending and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # until the expectation's own timer has run
+            assert receiver.num_pending == 0
+            header = make_header("req", "m", layout, payload, transport.token)
+            with pytest.raises(UnknownRequestError):
+                await sender.send(address, header, payload, timeout_s=30)
+            with pytest.raises(TransferTimeoutError):
+                await receiver.claim("req", timeout_s=10)
+            with pytest.raises(UnknownRequestError):  # once: then it is forgotten
+                await receiver.claim("req", timeout_s=10)
         finally:
             await sender.close()
             await receiver.close()
