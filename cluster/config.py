@@ -219,6 +219,11 @@ class ClusterConfig(BaseModel):
     # cost within this (EngineConfig.tpot_target_ms). 100 ms: a GPU step stays far below
     # it, so it binds only where a prompt really would stall the streams (CPU).
     tpot_target_ms: float | None = Field(default=100.0, gt=0)
+    # While a decode worker streams more than this many requests, each stream's tokens
+    # after the first go out two per message: one waits (at most one step) for the next.
+    # Messages are what the router, the proxy and Serve's streams pay for; TPOT does not
+    # change, an inter-token gap can grow by one step. None: one message per step.
+    stream_hold_above: int | None = Field(default=16, ge=0)
     seed: int = 0
 
     # Router limits. api_keys: if any, every /v1 and /workers call needs

@@ -71,7 +71,10 @@ class WorkerReplica:
         os.environ.setdefault("OMP_NUM_THREADS", str(self.config.num_threads))
         tune_malloc()  # KV transfers allocate a buffer per message (kv_transfer/base.py)
         self.worker_id = worker_id or replica_id()
-        self.engine = AsyncEngine(LLMEngine(self.config.model, self.config.engine_config()))
+        self.engine = AsyncEngine(
+            LLMEngine(self.config.model, self.config.engine_config()),
+            hold_above_streams=self.config.stream_hold_above,
+        )
         self.redis = aioredis.Redis.from_url(
             self.config.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0
         )

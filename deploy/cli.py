@@ -71,6 +71,10 @@ def _float_or_off(text: str) -> float | None:
     return None if text.strip().lower() in ("off", "none") else float(text)
 
 
+def _int_or_off(text: str) -> int | None:
+    return None if text.strip().lower() in ("off", "none") else int(text)
+
+
 def _api_keys(path: str | None) -> list[str]:
     """Keys from $PDSERVE_API_KEYS and the file (never from argv: `ps` shows argv)."""
     keys = [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",")]
@@ -107,6 +111,7 @@ def _up(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         tpot_target_ms=args.tpot_target_ms,
+        stream_hold_above=args.stream_hold_above,
         replica_num_cpus=args.replica_cpus,
         worker_lease_s=args.worker_lease_s,
         heartbeat_s=args.heartbeat_s,
@@ -285,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=100.0,
         help="cap the prefill tokens of a step that has decode rows so that its measured "
         "cost stays within this; 'off' for the token budget alone",
+    )
+    up.add_argument(
+        "--stream-hold-above",
+        type=_int_or_off,
+        default=16,
+        help="above this many streams on a decode worker, send tokens two per message "
+        "(one waits at most one step); 'off': one message per step",
     )
     up.add_argument("--worker-lease-s", type=float, default=10.0, help="index lease")
     up.add_argument("--heartbeat-s", type=float, default=1.0, help="worker heartbeat period")

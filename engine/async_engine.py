@@ -29,8 +29,15 @@ class EngineClosedError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, hold_above_streams: int | None = None) -> None:
+        """`hold_above_streams`: while more coalescing streams than this are open, each of
+        their outputs after the first waits for the request's next step and goes merged
+        with it (None: never; see `_dispatch`)."""
         self.engine = engine
+        self.hold_above_streams = hold_above_streams
+        self._coalescing: set[str] = set()  # streams opened with coalesce=True
+        # request id -> its output held back one step (engine thread only)
+        self._held: dict[str, RequestOutput] = {}
         self._commands: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -88,6 +95,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
+        if coalesce:
+            self._coalescing.add(request_id)
         if on_finish is not None:
             self._on_finish[request_id] = on_finish
         finished = False
@@ -121,6 +130,7 @@ class AsyncEngine:
                 yield item
         finally:
             self._streams.pop(request_id, None)
+            self._coalescing.discard(request_id)
             self._on_finish.pop(request_id, None)
             if not finished:
                 self._finish_results.pop(request_id, None)
@@ -186,6 +196,8 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     self._events.extend(self.engine.drain_kv_events())
                     self._dispatch(outputs)
+                elif self._held:  # their requests ended without a step (aborted)
+                    self._dispatch([])
                 else:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
@@ -210,11 +222,41 @@ class AsyncEngine:
             except Exception as exc:  # handed to the caller by take_finish_result
                 self._finish_results[request_id] = exc
 
+    def _hold(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs to deliver now; under load some wait one step (`_held`).
+
+        With more than `hold_above_streams` coalescing streams open, a stream's output that
+        is neither its first nor its last waits for the request's next step and then goes
+        merged with that one: one message per two tokens through the decode replica's
+        stream, the router and the proxy. Never longer than one step: an output held in
+        the previous step goes now, whether or not its request produced another.
+        """
+        held, self._held = self._held, {}
+        hold = (
+            self.hold_above_streams is not None and len(self._coalescing) > self.hold_above_streams
+        )
+        deliver = []
+        for out in outputs:
+            earlier = held.pop(out.request_id, None)
+            if earlier is not None:
+                deliver.append(merge_outputs(earlier, out))
+            elif (
+                hold
+                and not out.finished
+                and out.request_id in self._coalescing
+                and len(out.token_ids) > len(out.new_token_ids)  # not the first
+            ):
+                self._held[out.request_id] = out
+            else:
+                deliver.append(out)
+        deliver.extend(held.values())  # held last step, nothing new since: go now
+        return deliver
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         # One wake-up of each caller's loop per step, not one per output (a step of 64
         # streams made 64 self-pipe writes and 64 loop callbacks).
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
-        for out in outputs:
+        for out in self._hold(outputs):
             if out.finished:
                 self._run_on_finish(out.request_id)
             target = self._streams.get(out.request_id)

@@ -158,3 +158,36 @@ def test_a_stream_that_falls_behind_gets_its_queued_outputs_as_one() -> None:
     assert finished
     first, rest, _ = asyncio.run(run(coalesce=False))
     assert rest == [[t] for t in range(11, 20)]
+
+
+def test_under_load_tokens_after_the_first_go_two_per_message_held_at_most_one_step() -> None:
+    def out(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+        reason = "length" if finished else None
+        return RequestOutput(rid, [1], tokens, "", finished, reason, new_token_ids=tokens[-1:])
+
+    async def run() -> list[list[tuple[str, list[int]]]]:
+        aengine = AsyncEngine(InstantEngine(), hold_above_streams=1)  # type: ignore[arg-type]
+        try:
+            aengine._coalescing.update({"a", "b"})  # two coalescing streams: above 1
+            steps = [
+                [out("a", [1]), out("b", [5])],  # first outputs: never held
+                [out("a", [1, 2]), out("b", [5, 6])],  # held
+                [out("a", [1, 2, 3])],  # a: merged with its held one; b: nothing new
+                [out("a", [1, 2, 3, 4], finished=True), out("b", [5, 6, 7])],
+                [],
+            ]
+            delivered = []
+            for step in steps:
+                got = aengine._hold(step)
+                delivered.append(sorted((o.request_id, o.new_token_ids) for o in got))
+            return delivered
+        finally:
+            await aengine.close()
+
+    assert asyncio.run(run()) == [
+        [("a", [1]), ("b", [5])],
+        [],
+        [("a", [2, 3]), ("b", [6])],  # b's held token goes after one step regardless
+        [("a", [4])],  # the last output is never held
+        [("b", [7])],
+    ]
