@@ -10,8 +10,8 @@ chosen prefill replica, or None when placement had no index) is read by
 router counts.
 
 Each heartbeat also publishes `prefill_tokens_per_s`, the worker's measured prefill
-throughput (prompt tokens per busy second; 0 until it has prefilled a prompt of some
-length): with `queued_prefill_tokens` it tells the router how long this worker's queue
+throughput (prompt tokens per busy second; first measured by two warm-up prefills before
+the worker joins the index): with `queued_prefill_tokens` it tells the router how long this worker's queue
 takes to drain (placement, conditional disaggregation, admission).
 """
 
@@ -39,6 +39,8 @@ class PrefillServer(WorkerReplica):
             transfer_timeout_s=cfg.transfer_timeout_s,
             lease_ms=int(cfg.kv_wait_timeout_s * 1000),
         )
+        # Measured before joining: the router never sees this worker without a rate.
+        await self.worker.warm_up(min(cfg.max_num_batched_tokens, 512))
         await self.join_index("")
 
     async def prefill(

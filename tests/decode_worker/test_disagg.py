@@ -225,3 +225,20 @@ def test_kv_of_another_model_or_prompt_is_refused_then_prefilled_here(
 
     want = [out.token_ids for out in colocated_outputs(model_dir, greedy)]
     asyncio.run(asyncio.wait_for(run(), 120))
+
+
+def test_a_prefill_worker_warms_up_with_a_measured_rate_and_holds_nothing(model_dir: Path) -> None:
+    async def run() -> tuple[float | None, dict[str, int]]:
+        p_async = AsyncEngine(new_engine(model_dir))
+        try:
+            prefill = PrefillWorker(p_async, LoopbackSender(LoopbackHub()), TOKEN)
+            assert prefill.rate.tokens_per_s is None
+            rate = await prefill.warm_up(100)
+            assert rate == prefill.rate.tokens_per_s
+            return rate, await p_async.call(lambda e: e.load())
+        finally:
+            await p_async.close()
+
+    rate, load = asyncio.run(run())
+    assert rate is not None and rate > 0
+    assert (load["running"], load["waiting"]) == (0, 0)
