@@ -16,6 +16,14 @@ same checkpoint in that dtype, warm up with a short generate, and run the same w
 `transformers` runs as its users run it: `model.generate(..., do_sample=False)` with its
 default attention implementation and cache, under `torch.inference_mode()`. At batch 1 the
 script also times pdserve's decode step and sets it against the memory-bandwidth bound.
+
+Each row also gives both sides' cpu-wait: the share of their threads' runnable time spent
+waiting for a CPU (Linux's per-thread schedstat). Near 0 a side had its cores; on a
+machine other processes share, a large one says they set the figure, most of all at 2
+threads, whose every fork/join waits for the slower thread. The OpenMP wait settings in
+effect (`pdserve/__init__.py` bounds libgomp's spin unless the environment sets one) are
+printed first.
+
 Benchmarks live here, never in tests (STYLE.md, habit 9).
 """
 
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import shutil
 import statistics
@@ -99,6 +108,9 @@ class Row:
     hf_tok_s: float
     num_identical: int  # requests whose tokens equal transformers' exactly
     num_requests: int
+    # share of each side's runnable thread time spent waiting for a CPU (`cpu_wait_since`)
+    ours_cpu_wait: float
+    hf_cpu_wait: float
 
     @property
     def ratio(self) -> float:
@@ -109,6 +121,8 @@ class Row:
             *(self.model, self.dtype, str(self.threads), self.workload),
             *(f"{self.ours_tok_s:.1f}", f"{self.hf_tok_s:.1f}", f"{self.ratio:.2f}"),
             f"{self.num_identical}/{self.num_requests}",
+            f"{self.ours_cpu_wait:.0%}",
+            f"{self.hf_cpu_wait:.0%}",
         ]
 
 
@@ -295,14 +309,41 @@ def decode_step_s(llm: LLM, prompt: list[int], num_steps: int) -> float:
 # -- the two sides ---------------------------------------------------------------------------
 
 
-def run_ours(llm: LLM, workload: Workload) -> tuple[float, list[list[int]]]:
-    """(seconds, output ids per request) for the whole workload submitted at once."""
+def thread_cpu_ns() -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one), summed over this process's threads
+    from /proc/self/task/*/schedstat; (0, 0) where Linux does not expose them."""
+    ran = waited = 0
+    for stat in Path("/proc/self/task").glob("*/schedstat"):
+        try:
+            fields = stat.read_text().split()
+        except OSError:  # a thread that just ended
+            continue
+        ran, waited = ran + int(fields[0]), waited + int(fields[1])
+    return ran, waited
+
+
+def cpu_wait_since(start: tuple[int, int]) -> float:
+    """Share of the threads' runnable time since `start` (a `thread_cpu_ns()`) spent waiting."""
+    ran, waited = (now - then for now, then in zip(thread_cpu_ns(), start, strict=True))
+    return waited / (ran + waited) if ran + waited > 0 else 0.0
+
+
+class Run(NamedTuple):
+    seconds: float
+    outputs: list[list[int]]  # output ids per request
+    cpu_wait: float  # see `cpu_wait_since`
+
+
+def run_ours(llm: LLM, workload: Workload) -> Run:
+    """The whole workload submitted at once."""
     params = [
         SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens
     ]
+    clock = thread_cpu_ns()
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params)
-    return time.perf_counter() - start, [o.token_ids for o in outs]
+    elapsed_s = time.perf_counter() - start
+    return Run(elapsed_s, [o.token_ids for o in outs], cpu_wait_since(clock))
 
 
 def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -326,21 +367,22 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int) -> li
     return out[:, width:].tolist()
 
 
-def run_hf(model: Any, workload: Workload) -> tuple[float, list[list[int]]]:
-    """(seconds, output ids per request): static batches in arrival order."""
+def run_hf(model: Any, workload: Workload) -> Run:
+    """Static batches in arrival order."""
     size, outputs, elapsed_s = workload.hf_batch_size, [], 0.0
+    clock = thread_cpu_ns()
     for i in range(0, len(workload.prompts), size):
         prompts, max_tokens = workload.prompts[i : i + size], workload.max_tokens[i : i + size]
         start = time.perf_counter()
         rows = hf_generate(model, prompts, max(max_tokens))
         elapsed_s += time.perf_counter() - start
         outputs += [row[:m] for row, m in zip(rows, max_tokens, strict=True)]
-    return elapsed_s, outputs
+    return Run(elapsed_s, outputs, cpu_wait_since(clock))
 
 
 def measure_ours(
     model_dir: Path, dtype: str, threads: int, workloads: list[Workload], probe_steps: int
-) -> tuple[dict[str, tuple[float, list[list[int]]]], float, int]:
+) -> tuple[dict[str, Run], float, int]:
     """Per-workload results, the median decode step (s) and the bytes that step reads."""
     torch.set_num_threads(threads)
     llm = LLM(
@@ -361,7 +403,7 @@ def measure_ours(
 
 def measure_hf(
     model_dir: Path, dtype: str, threads: int, workloads: list[Workload]
-) -> dict[str, tuple[float, list[list[int]]]]:
+) -> dict[str, Run]:
     import transformers
 
     torch.set_num_threads(threads)
@@ -382,24 +424,26 @@ def make_row(
     dtype: str,
     threads: int,
     w: Workload,
-    ours: tuple[float, list[list[int]]],
-    hf: tuple[float, list[list[int]]],
+    ours: Run,
+    hf: Run,
 ) -> Row:
     useful = sum(w.max_tokens)
-    for side, (_, outputs) in (("pdserve", ours), ("transformers", hf)):
+    for side, outputs in (("pdserve", ours.outputs), ("transformers", hf.outputs)):
         lengths = [len(o) for o in outputs]
         if lengths != w.max_tokens:
             raise RuntimeError(f"{side} produced {sum(lengths)} tokens on {w.name}, not {useful}")
-    identical = sum(a == b for a, b in zip(ours[1], hf[1], strict=True))
+    identical = sum(a == b for a, b in zip(ours.outputs, hf.outputs, strict=True))
     return Row(
         spec.name,
         dtype,
         threads,
         w.name,
-        useful / ours[0],
-        useful / hf[0],
+        useful / ours.seconds,
+        useful / hf.seconds,
         identical,
         len(w.prompts),
+        ours.cpu_wait,
+        hf.cpu_wait,
     )
 
 
@@ -407,7 +451,8 @@ def format_row(r: Row) -> str:
     return (
         f"{r.model:<4} {r.dtype:<8} t={r.threads} {r.workload:<11} "
         f"pdserve {r.ours_tok_s:7.1f} tok/s  transformers {r.hf_tok_s:7.1f} tok/s  "
-        f"ratio {r.ratio:.2f}  (identical {r.num_identical}/{r.num_requests})"
+        f"ratio {r.ratio:.2f}  (identical {r.num_identical}/{r.num_requests}, "
+        f"cpu-wait {r.ours_cpu_wait:.0%} vs {r.hf_cpu_wait:.0%})"
     )
 
 
@@ -429,7 +474,10 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def print_summary(rows: list[Row], decodes: list[DecodeRow]) -> None:
-    headers = "model dtype threads workload pdserve_tok/s transformers_tok/s ratio identical"
+    headers = (
+        "model dtype threads workload pdserve_tok/s transformers_tok/s ratio identical"
+        " pdserve_cpu_wait transformers_cpu_wait"
+    )
     print("\n" + markdown_table(headers.split(), [r.cells() for r in rows]))
     headers = (
         "model dtype threads step_ms bound_ms MB_read GB/s(copy,size/t) %bound"
@@ -472,6 +520,8 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # "Loading weights" bars drown the lines
     args = parse_args()
+    waits = {k: os.environ.get(k, "unset") for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    print("OpenMP wait: " + ", ".join(f"{k}={v}" for k, v in waits.items()), flush=True)
     sizes, model_names = (QUICK, ["tiny"]) if args.quick else (FULL, args.models)
     rows: list[Row] = []
     decodes: list[DecodeRow] = []
