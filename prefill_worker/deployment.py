@@ -11,8 +11,8 @@ router counts.
 
 Each heartbeat also publishes `prefill_tokens_per_s`, the worker's measured prefill
 throughput (prompt tokens per busy second; first measured by two warm-up prefills before
-the worker joins the index): with `queued_prefill_tokens` it tells the router how long this worker's queue
-takes to drain (placement, conditional disaggregation, admission).
+the worker joins the index): with `queued_prefill_tokens` it tells the router how long
+this worker's queue takes to drain (placement, conditional disaggregation, admission).
 """
 
 from __future__ import annotations
