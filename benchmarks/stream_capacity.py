@@ -8,9 +8,10 @@ proxy, Serve set up as `deploy.app.SERVE_ENV` says (values already in the enviro
 kept: set Serve's defaults there to see what the settings buy; the program starts itself
 again with them set, since Serve reads them when it is first imported), and deploys two
 applications side by side, each in front of its own `FakeDecode`: a decode deployment
-with the decode worker's call signature and stream items (an "accepted" item, then one
-"output" item per token, the last one finished), no engine and no sleeps, so a stream
-goes as fast as its consumer takes it:
+with the decode worker's calls and items (an "accepted" item, then one "output" item per
+token, the last one finished), no engine and no sleeps, so a stream goes as fast as its
+consumer takes it (per request for the bare side, on a token channel for the router,
+as the real decode worker serves each):
 
 - bare (`/bare`): the least a streaming OpenAI-style Serve app does: a FastAPI ingress
   that reads the JSON body, calls FakeDecode's stream through a handle and writes one SSE
@@ -69,6 +70,7 @@ from ray import serve
 from ray.serve import Deployment
 
 from pdserve.cluster.config import ClusterConfig
+from pdserve.decode_worker.channels import Channels
 from pdserve.deploy.app import SERVE_ENV, apply_serve_env
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port
 from pdserve.engine.sampling_params import SamplingParams
@@ -82,6 +84,7 @@ TARGETED_ROUTER = "pdserve.router.request_router:TargetedRequestRouter"  # as bu
 SIDES = ("bare", "pdserve")
 INGRESS = {"bare": "BareIngress", "pdserve": "Router"}  # deployment names
 DECODE = "FakeDecode"
+CHANNEL_IDLE_S = 5.0  # as the real decode worker's
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -89,15 +92,20 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class FakeDecode:
-    """The decode worker's streaming call without an engine (decode_worker/deployment.py).
+    """The decode worker's calls without an engine (decode_worker/deployment.py).
 
     Yields its items as fast as the caller consumes them: only Serve's streaming path and
-    the caller's code remain. `load` and `cancel_kv` answer as the real ones do, for a
-    router that calls them (health without Redis; disaggregated mode).
+    the caller's code remain. Per request (`generate`, the bare side) that is one message
+    per token; on the router's token channel, each message carries every running
+    request's next item, the next "step" beginning when the router has taken one. `load`
+    and `cancel_kv` answer as the real ones do, for a router that calls them (health
+    without Redis; disaggregated mode).
     """
 
     def __init__(self) -> None:
         self.worker_id = serve.get_replica_context().replica_id.unique_id
+        self.channels = Channels()
+        self._step = asyncio.Event()
 
     async def generate(
         self,
@@ -108,32 +116,66 @@ class FakeDecode:
         target_replica: str | None = None,
         kv_wait_s: float | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        yield {
+        """The per-request stream (the bare side calls it)."""
+        yield self._accepted()
+        for i in range(params.max_tokens):
+            yield _fake_item(i, params.max_tokens, len(prompt_token_ids))
+
+    async def channel(
+        self, channel_id: str, target_replica: str | None = None
+    ) -> AsyncIterator[list[tuple[str, dict[str, Any]]]]:
+        """The token channel (the router uses it): every running request's next item per
+        message, as the real decode worker sends one engine step's tokens."""
+        hello = {"type": "channel", "worker_id": self.worker_id}
+        async for batch in self.channels.serve(channel_id, hello, CHANNEL_IDLE_S):
+            yield batch
+            step, self._step = self._step, asyncio.Event()
+            step.set()  # taken by the router: the next "step" may begin
+
+    async def submit(
+        self,
+        channel_id: str,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_expected: bool = False,
+        kv_wait_s: float | None = None,
+        worker_id: str | None = None,
+        target_replica: str | None = None,
+    ) -> dict[str, Any]:
+        channel = self.channels.get(channel_id)
+        if channel is None:
+            return {"type": "no_channel", "worker_id": self.worker_id}
+        channel.tasks[request_id] = asyncio.create_task(
+            self._run(channel, request_id, len(prompt_token_ids), params.max_tokens)
+        )
+        return self._accepted()
+
+    async def abort(
+        self, channel_id: str, request_id: str, target_replica: str | None = None
+    ) -> bool:
+        channel = self.channels.get(channel_id)
+        task = channel.tasks.get(request_id) if channel is not None else None
+        if task is not None:
+            task.cancel()
+        return task is not None
+
+    async def _run(self, channel: Any, request_id: str, prompt_len: int, n: int) -> None:
+        try:
+            for i in range(n):
+                step = self._step
+                channel.put(request_id, _fake_item(i, n, prompt_len))
+                await step.wait()
+        finally:
+            channel.tasks.pop(request_id, None)
+
+    def _accepted(self) -> dict[str, Any]:
+        return {
             "type": "accepted",
             "kv_expected": False,
             "worker_id": self.worker_id,
             "address": "fake:0",
         }
-        n = params.max_tokens
-        for i in range(n):
-            last = i == n - 1
-            item: dict[str, Any] = {
-                "type": "output",
-                "token_ids": [PROMPT[i % len(PROMPT)]],
-                "text": TOKEN_TEXT,
-                "finished": last,
-                "finish_reason": "length" if last else None,
-                "num_output_tokens": i + 1,
-            }
-            if i == 0:  # the real first item's extras (`_first_item_extras`)
-                item.update(
-                    kv_used=False,
-                    num_prompt_tokens=len(prompt_token_ids),
-                    num_cached_tokens=0,
-                    decode_queue_s=0.0,
-                    local_prefill_s=0.0,
-                )
-            yield item
 
     async def load(self, target_replica: str | None = None) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "running": 0, "waiting": 0}
@@ -142,6 +184,27 @@ class FakeDecode:
         self, request_id: str, reason: str = "prefill_failed", target_replica: str | None = None
     ) -> str:
         return self.worker_id
+
+
+def _fake_item(i: int, n: int, prompt_len: int) -> dict[str, Any]:
+    last = i == n - 1
+    item: dict[str, Any] = {
+        "type": "output",
+        "token_ids": [PROMPT[i % len(PROMPT)]],
+        "text": TOKEN_TEXT,
+        "finished": last,
+        "finish_reason": "length" if last else None,
+        "num_output_tokens": i + 1,
+    }
+    if i == 0:  # the real first item's extras (`_first_item_extras`)
+        item.update(
+            kv_used=False,
+            num_prompt_tokens=prompt_len,
+            num_cached_tokens=0,
+            decode_queue_s=0.0,
+            local_prefill_s=0.0,
+        )
+    return item
 
 
 bare_api = FastAPI()

@@ -2,27 +2,30 @@
 
 Each replica runs a KV receiver on its own port (announced in the prefix index as its
 address), takes requests that wait for their KV under a lease, runs continuous batching
-with preemption, and streams outputs back to the router (a Ray Serve streaming call).
+with preemption, and streams outputs back to the router: on the router connection's token
+channel (`channels.py`: one Serve stream per router replica, one message per engine step
+carrying every request's new tokens), or as a stream of its own per request (`generate`).
 A transfer that fails, arrives late or is cancelled by the router makes it prefill the
 request locally; colocated mode always does. KV events go to the index.
 
 In disaggregated mode a replica expects KV whenever the router asks, whichever replica
 Ray Serve gave the call to (the one placement chose, another if that one was gone or
 full, any one when placement had no index): the router learns which replica took the
-request and its receiver's address from the first stream item, and tells the prefill
+request and its receiver's address from the "accepted" item, and tells the prefill
 worker to push there.
 
-Stream items are plain dicts (the router imports no torch): first
+Items are plain dicts (the router imports no torch): first
 `{"type": "accepted", "kv_expected": bool, "worker_id": str, "address": str}` once the
-receiver expects the request (only then may the prefill worker push), then one
-`{"type": "output", ...}` per step that produced tokens. When expected KV was not used,
-the first output item says why in "local_prefill" (a reason of the router's
+receiver expects the request (only then may the prefill worker push; `submit` returns
+it), then one `{"type": "output", ...}` per step that produced tokens. When expected KV
+was not used, the first output item says why in "local_prefill" (a reason of the router's
 `pdserve_decode_local_prefill_total`: "transfer_failed", "kv_late" or what the router
 gave `cancel_kv`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +33,7 @@ from typing import Any
 
 from pdserve.cluster.log_once import OncePerCause
 from pdserve.cluster.replica import WorkerReplica, resolve_transfer_host
+from pdserve.decode_worker.channels import Batch, Channel, Channels
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -44,6 +48,11 @@ from pdserve.kv_transfer.errors import (
 from pdserve.kv_transfer.torch_payload import layout_of
 
 logger = logging.getLogger(__name__)
+
+# A token channel that has carried no request this long ends (the router opens another
+# when it needs one): well inside Serve's graceful_shutdown_timeout_s, which a draining
+# replica waits for its calls (channels included) to end.
+CHANNEL_IDLE_S = 5.0
 
 
 class DecodeServer(WorkerReplica):
@@ -69,8 +78,83 @@ class DecodeServer(WorkerReplica):
         # each request of this replica that expects KV and has not produced a token yet
         self._awaiting_kv: dict[str, str | None] = {}
         self._log = OncePerCause(logger)
+        self.channels = Channels()
         self.address = await self.worker.start()
         await self.join_index(self.address)
+
+    async def channel(
+        self, channel_id: str, target_replica: str | None = None
+    ) -> AsyncIterator[Batch]:
+        """A router connection's token channel (`channels.py`): first a
+        `{"type": "channel", "worker_id": ...}` hello, then batches of
+        `(request_id, item)` for the requests `submit` started on it."""
+        hello = {"type": "channel", "worker_id": self.worker_id}
+        async for batch in self.channels.serve(channel_id, hello, CHANNEL_IDLE_S):
+            yield batch
+
+    async def submit(
+        self,
+        channel_id: str,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_expected: bool = False,
+        kv_wait_s: float | None = None,
+        worker_id: str | None = None,
+        target_replica: str | None = None,
+    ) -> dict[str, Any]:
+        """Start a request whose outputs go on channel `channel_id`; return the
+        "accepted" item (see the module's docstring), or `{"type": "no_channel"}` when
+        that channel is not open on this replica or this is not replica `worker_id`
+        (the router then opens another and submits again). Items of the request on the
+        channel: its outputs, or one `{"type": "error"}` if serving it failed."""
+        channel = self.channels.get(channel_id)
+        if channel is None or (worker_id is not None and worker_id != self.worker_id):
+            return {"type": "no_channel", "worker_id": self.worker_id}
+        if request_id in channel.tasks:
+            raise ValueError(f"request {request_id} is running on this channel already")
+        accepted = self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s)
+        channel.tasks[request_id] = asyncio.create_task(
+            self._run(
+                channel, request_id, prompt_token_ids, params, accepted["kv_expected"], kv_wait_s
+            )
+        )
+        return accepted
+
+    async def abort(
+        self, channel_id: str, request_id: str, target_replica: str | None = None
+    ) -> bool:
+        """Stop a request started by `submit` (its client went away); False if it was
+        not running here."""
+        channel = self.channels.get(channel_id)
+        task = channel.tasks.get(request_id) if channel is not None else None
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    async def _run(
+        self,
+        channel: Channel,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_expected: bool,
+        kv_wait_s: float | None,
+    ) -> None:
+        try:
+            async for item in self._outputs(
+                request_id, prompt_token_ids, params, kv_expected, kv_wait_s
+            ):
+                channel.put(request_id, item)
+        except asyncio.CancelledError:
+            pass  # aborted (by the router, or its channel closed): the engine stream ended
+        except Exception as exc:  # reaches the router, which resumes it elsewhere
+            logger.exception("%s: serving the request failed", request_id)
+            channel.put(request_id, {"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            self._release(request_id, kv_expected)
+            channel.tasks.pop(request_id, None)
 
     async def generate(
         self,
@@ -81,14 +165,36 @@ class DecodeServer(WorkerReplica):
         target_replica: str | None = None,
         kv_wait_s: float | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Stream a request; with `kv_expected` (disaggregated mode) its KV is awaited.
+        """One request as a stream of its own: the "accepted" item, then its outputs.
 
-        `kv_wait_s`: how long to wait for it (the router derives it from its estimate of
-        the prefill; at most `kv_wait_timeout_s`, which is also the wait without it).
+        The router uses channels (`submit`); this is the per-request form of the same
+        call (a Serve stream per request, as benchmarks/router_overhead.py measures).
+        `kv_expected`, `kv_wait_s`: as `submit`'s.
+        """
+        accepted = self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s)
+        try:
+            yield accepted
+            async for item in self._outputs(
+                request_id, prompt_token_ids, params, accepted["kv_expected"], kv_wait_s
+            ):
+                yield item
+        finally:
+            self._release(request_id, accepted["kv_expected"])
 
-        `target_replica` is the replica placement chose (read by the request router);
-        this replica takes the KV even when it is not that one: the router pushes to the
-        address this replica reports, so the split happens whoever serves.
+    def _accept(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        kv_expected: bool,
+        kv_wait_s: float | None,
+    ) -> dict[str, Any]:
+        """Take a request: with `kv_expected` (disaggregated mode) the receiver expects
+        its KV from now on, for `kv_wait_s` (the router derives it from its estimate of the
+        prefill; at most `kv_wait_timeout_s`, which is also the wait without it).
+
+        This replica takes the KV even when it is not the one placement chose (the
+        `target_replica` the request router reads): the router pushes to the address
+        returned here, so the split happens whoever serves.
         """
         kv_expected = kv_expected and self.config.mode == "disagg"
         if kv_expected:
@@ -100,31 +206,40 @@ class DecodeServer(WorkerReplica):
                 kv_expected = False
         if kv_expected:
             self._awaiting_kv[request_id] = None
-        try:
-            yield {
-                "type": "accepted",
-                "kv_expected": kv_expected,
-                "worker_id": self.worker_id,
-                "address": self.address,
-            }
-            info: dict[str, Any] = {}
-            first = True
-            async for out in self.worker.generate(
-                request_id, prompt_token_ids, params, kv_expected, info, kv_wait_s
-            ):
-                item = _output_item(out)
-                if first:
-                    item.update(_first_item_extras(out, info, self.config.block_size))
-                    if kv_expected and not info.get("kv_used"):
-                        item["local_prefill"] = self._local_prefill_reason(request_id, info)
-                    first = False
-                if out.finished:
-                    await self.flush_events()
-                yield item
-        finally:
-            self._awaiting_kv.pop(request_id, None)
-            if kv_expected:
-                self.worker.receiver.cancel(request_id)  # idempotent; frees late KV
+        return {
+            "type": "accepted",
+            "kv_expected": kv_expected,
+            "worker_id": self.worker_id,
+            "address": self.address,
+        }
+
+    async def _outputs(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_expected: bool,
+        kv_wait_s: float | None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        info: dict[str, Any] = {}
+        first = True
+        async for out in self.worker.generate(
+            request_id, prompt_token_ids, params, kv_expected, info, kv_wait_s
+        ):
+            item = _output_item(out)
+            if first:
+                item.update(_first_item_extras(out, info, self.config.block_size))
+                if kv_expected and not info.get("kv_used"):
+                    item["local_prefill"] = self._local_prefill_reason(request_id, info)
+                first = False
+            if out.finished:
+                await self.flush_events()
+            yield item
+
+    def _release(self, request_id: str, kv_expected: bool) -> None:
+        self._awaiting_kv.pop(request_id, None)
+        if kv_expected:
+            self.worker.receiver.cancel(request_id)  # idempotent; frees late KV
 
     def _local_prefill_reason(self, request_id: str, info: dict[str, Any]) -> str:
         """Why expected KV was not used (a label of the router's local-prefill counter)."""

@@ -2,12 +2,13 @@
 
 `RouterCore.generate` takes a tokenized, validated request and yields the decode
 worker's output items. In between: one index round trip (every live worker's matched
-prefix), joint placement of P and D, and dual dispatch: D is called first (a streaming
-call) and once it confirms that its receiver expects the request (and says which replica
-took the call and where its receiver listens), P is told to prefill and push the blocks
-D lacks there. A prefill failure reaches D at once (`cancel_kv`), which then prefills
-locally. Redis being down never fails a request, nor bypasses the split: Ray Serve then
-picks D and P, and P pushes every block to whichever D took the request.
+prefix), joint placement of P and D, and dual dispatch: D is called first (a submit on
+this router's token channel to D, `channels.py`, on which D streams the outputs of all
+this router's requests) and once it confirms that its receiver expects the request (and
+says which replica took the call and where its receiver listens), P is told to prefill
+and push the blocks D lacks there. A prefill failure reaches D at once (`cancel_kv`),
+which then prefills locally. Redis being down never fails a request, nor bypasses the
+split: Ray Serve then picks D and P, and P pushes every block to whichever D took it.
 
 Between placement and dispatch, conditional disaggregation (`disagg.py`) decides per
 request whether P prefills (remote) or D does (local), from time estimates of both; each
@@ -42,6 +43,7 @@ from pdserve.cluster.prefix_index import MatchResult, PrefixIndex, WorkerInfo
 from pdserve.engine.hashing import hash_block_chain, hash_namespace
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import TransferError
+from pdserve.router.channels import ChannelStream, DecodeChannels
 from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Choice, Placer, decode_running, queued_tokens
@@ -150,6 +152,8 @@ class RouterCore:
         self.inflight_local_tokens: Counter[str] = Counter()
         self.inflight_decode: Counter[str] = Counter()
         self.rates = RateBook()
+        # one token channel per decode replica in use (channels.py)
+        self.channels = DecodeChannels(decode, config.first_token_timeout_s)
         self.index_available = True
         self._log = OncePerCause(logger)
 
@@ -388,13 +392,8 @@ class RouterCore:
         inflight_at = d_target
         if inflight_at is not None:
             self.inflight_decode[inflight_at] += 1
-        stream = self.decode.options(stream=True).generate.remote(
-            request_id,
-            prompt_ids,
-            params,
-            kv_expected=want_kv,
-            kv_wait_s=route.kv_wait_s,
-            target_replica=d_target,
+        stream = ChannelStream(
+            self.channels, request_id, d_target, prompt_ids, params, want_kv, route.kv_wait_s
         )
         prefill_task: asyncio.Task[None] | None = None
         finished = False

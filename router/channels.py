@@ -1,0 +1,252 @@
+"""Router side of the token channels (decode_worker/channels.py).
+
+Each router replica keeps one channel to each decode replica it sends requests to: a
+long-lived Ray Serve streaming call on which the decode replica returns the outputs of
+all of this router's requests, everything ready at once in one message. A request is
+started with a plain `submit` call naming the channel; its items then arrive on its own
+queue here. `ChannelStream` gives one request's items the shape of a Serve stream
+(`__anext__`, `cancel`), so the request path reads them as it read a stream per request.
+
+A channel that breaks (its decode replica died) fails every request on it at once, each
+with `ChannelError`; the request path resumes them on other workers. A channel the decode
+replica ended because it was idle is reopened when next needed. A request whose client
+goes away is aborted on the decode replica (`abort`), never left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from typing import Any
+
+from pdserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ABORT_TIMEOUT_S = 5.0
+_SUBMIT_TRIES = 3  # a channel can end (idle) just as a request is submitted on it
+
+
+class ChannelError(RuntimeError):
+    """The channel broke, or the decode replica failed the request on it."""
+
+
+class Connection:
+    """One open channel: to decode replica `worker_id`, with a queue per request."""
+
+    def __init__(self, channel_id: str, worker_id: str, stream: Any) -> None:
+        self.channel_id = channel_id
+        self.worker_id = worker_id
+        self.stream = stream
+        self.queues: dict[str, asyncio.Queue[Any]] = {}
+        self.alive = True
+        self.accepting = True  # new requests may be submitted on it
+        self.reader: asyncio.Task[None] | None = None
+
+
+class DecodeChannels:
+    """This router replica's channels to the decode pool, by decode replica id.
+
+    Args:
+        decode: Handle of the decode deployment.
+        open_timeout_s: How long opening a channel may take (its first message).
+    """
+
+    def __init__(self, decode: Any, open_timeout_s: float) -> None:
+        self.decode = decode
+        self.open_timeout_s = open_timeout_s
+        self._prefix = f"router-{uuid.uuid4().hex[:12]}"
+        self._ids = itertools.count()
+        self._conns: dict[str, Connection] = {}
+        self._opening: dict[str | None, asyncio.Task[Connection]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._conns)
+
+    async def connect(self, target: str | None) -> Connection:
+        """A channel to decode replica `target` (any replica if None: Serve picks, and
+        the returned connection says which). Opening one costs a round trip; requests
+        after the first reuse it."""
+        if target is not None:
+            conn = self._conns.get(target)
+            if conn is not None and conn.accepting:
+                return conn
+        else:
+            usable = [c for c in self._conns.values() if c.accepting]
+            if usable:
+                return min(usable, key=lambda c: len(c.queues))
+        task = self._opening.get(target)
+        if task is None:
+            task = asyncio.create_task(self._open(target))
+            self._opening[target] = task
+            task.add_done_callback(lambda t: self._forget_opening(target, t))
+        # shield: one waiter's cancellation must not cancel the others' open
+        return await asyncio.shield(task)
+
+    def _forget_opening(self, target: str | None, task: asyncio.Task[Connection]) -> None:
+        if self._opening.get(target) is task:
+            del self._opening[target]
+        if not task.cancelled():
+            task.exception()  # retrieved: each waiter got it already
+
+    async def _open(self, target: str | None) -> Connection:
+        channel_id = f"{self._prefix}-{next(self._ids)}"
+        stream = self.decode.options(stream=True).channel.remote(channel_id, target_replica=target)
+        try:
+            async with asyncio.timeout(self.open_timeout_s):
+                hello = (await stream.__anext__())[0][1]
+        except BaseException:
+            stream.cancel()
+            raise
+        worker_id = hello["worker_id"]
+        existing = self._conns.get(worker_id)
+        if existing is not None and existing.accepting:
+            stream.cancel()  # opened twice at once (two targets that were one replica)
+            return existing
+        conn = Connection(channel_id, worker_id, stream)
+        self._conns[worker_id] = conn
+        conn.reader = asyncio.create_task(self._read(conn))
+        return conn
+
+    async def _read(self, conn: Connection) -> None:
+        why = "the decode worker closed the channel"
+        try:
+            while True:
+                batch = await conn.stream.__anext__()
+                for request_id, item in batch:
+                    queue = conn.queues.get(request_id)
+                    if queue is not None:  # None: the request was cancelled here
+                        queue.put_nowait(item)
+        except StopAsyncIteration:
+            pass
+        except asyncio.CancelledError:
+            why = "the router closed the channel"
+            raise
+        except Exception as exc:  # a dead replica: Ray's error types
+            why = f"the decode worker failed: {type(exc).__name__}"
+            logger.warning("channel to decode worker %s broke: %r", conn.worker_id, exc)
+        finally:
+            conn.alive = conn.accepting = False
+            if self._conns.get(conn.worker_id) is conn:
+                del self._conns[conn.worker_id]
+            for queue in conn.queues.values():
+                queue.put_nowait(ChannelError(why))
+
+    def abort(self, conn: Connection, request_id: str) -> None:
+        """Stop `request_id` on `conn`'s replica, without waiting."""
+        if conn.alive:
+            self._spawn(self._abort(conn, request_id))
+
+    def abort_when_accepted(self, conn: Connection, request_id: str, reply: Any) -> None:
+        """A submit whose caller went away: abort the request once the reply says it runs."""
+        self._spawn(self._abort_when_accepted(conn, request_id, reply))
+
+    async def _abort(self, conn: Connection, request_id: str) -> None:
+        try:
+            async with asyncio.timeout(_ABORT_TIMEOUT_S):
+                await self.decode.abort.remote(
+                    conn.channel_id, request_id, target_replica=conn.worker_id
+                )
+        except Exception as exc:  # the replica died (its requests with it), or is stuck
+            logger.debug("%s: abort on %s failed: %r", request_id, conn.worker_id, exc)
+
+    async def _abort_when_accepted(self, conn: Connection, request_id: str, reply: Any) -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_ABORT_TIMEOUT_S):
+                if (await reply).get("type") == "accepted":
+                    await self._abort(conn, request_id)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def close(self) -> None:
+        for conn in list(self._conns.values()):
+            if conn.reader is not None:
+                conn.reader.cancel()
+            conn.stream.cancel()
+
+
+class ChannelStream:
+    """One request on a channel, read like a Serve stream of its own: the first
+    `__anext__` submits it and returns the "accepted" item, later ones its outputs.
+    `cancel()` stops it on the decode replica unless it finished."""
+
+    def __init__(
+        self,
+        channels: DecodeChannels,
+        request_id: str,
+        target: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_expected: bool,
+        kv_wait_s: float | None,
+    ) -> None:
+        self._channels = channels
+        self._request_id = request_id
+        self._target = target
+        self._args = (prompt_token_ids, params)
+        self._kwargs = {"kv_expected": kv_expected, "kv_wait_s": kv_wait_s}
+        self._conn: Connection | None = None
+        self._queue: asyncio.Queue[Any] | None = None
+        self._finished = False
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._queue is None:
+            return await self._submit()
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.get("type") == "error":
+            raise ChannelError(f"the decode worker failed the request: {item.get('message')}")
+        if item.get("finished"):
+            self._finished = True
+            self._unregister()
+        return dict(item)
+
+    async def _submit(self) -> dict[str, Any]:
+        channels, request_id = self._channels, self._request_id
+        for _ in range(_SUBMIT_TRIES):
+            conn = await channels.connect(self._target)
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+            conn.queues[request_id] = queue  # before the submit: no item can be missed
+            reply = channels.decode.submit.remote(
+                conn.channel_id,
+                request_id,
+                *self._args,
+                worker_id=conn.worker_id,
+                target_replica=conn.worker_id,
+                **self._kwargs,
+            )
+            try:
+                accepted = dict(await reply)
+            except asyncio.CancelledError:
+                conn.queues.pop(request_id, None)
+                channels.abort_when_accepted(conn, request_id, reply)
+                raise
+            except BaseException:
+                conn.queues.pop(request_id, None)
+                raise
+            if accepted.get("type") == "accepted":
+                self._conn, self._queue = conn, queue
+                return accepted
+            # the channel is not open there (it ended idle, or Serve gave the call to
+            # another replica): submit on a channel opened now
+            conn.queues.pop(request_id, None)
+            conn.accepting = False
+        raise ChannelError(f"no decode worker took {request_id} on a channel")
+
+    def _unregister(self) -> None:
+        if self._conn is not None:
+            self._conn.queues.pop(self._request_id, None)
+
+    def cancel(self) -> None:
+        self._unregister()
+        if self._conn is not None and not self._finished:
+            self._channels.abort(self._conn, self._request_id)
