@@ -84,11 +84,18 @@ def _api_keys(path: str | None) -> list[str]:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from pdserve.deploy.serve_env import apply_serve_env
+    from pdserve.deploy.serve_env import apply_serve_env, direct_ingress_env
 
     # Before anything imports ray.serve: the handles this process builds keep the
     # transport Serve chose at that import (gRPC only if the setting is there by then).
     apply_serve_env(os.environ)
+    ingress = args.ingress or ("proxy" if args.address is not None else "direct")
+    if ingress == "direct":
+        # read by Serve at import too: the controller and replicas this process starts
+        # inherit them (a joined cluster needs them in its nodes' environment instead)
+        env = direct_ingress_env(args.port, args.router_replicas, args.ingress_drain_s)
+        for name, value in env.items():
+            os.environ.setdefault(name, value)
 
     from pdserve.cluster.config import ClusterConfig, ConfigError
     from pdserve.deploy.up import run_up
@@ -141,7 +148,7 @@ def _up(args: argparse.Namespace) -> int:
             "listens on this machine's loopback, which other nodes cannot reach",
         )
     config.preflight(check_redis=bool(args.redis_url))
-    return run_up(config, args.host, args.port, address=args.address)
+    return run_up(config, args.host, args.port, address=args.address, ingress=ingress)
 
 
 def _kv_tls(args: argparse.Namespace) -> KVTLS | None:
@@ -269,6 +276,21 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--router-replicas", type=int, default=1)
     up.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback)")
     up.add_argument("--port", type=int, default=8000)
+    up.add_argument(
+        "--ingress",
+        choices=["direct", "proxy"],
+        default=None,
+        help="direct: the router replicas serve HTTP themselves, on --port, --port + 1, ... "
+        "(one per router replica); proxy: through Serve's HTTP proxy on --port. Default: "
+        "direct on a local cluster, proxy when joining one (--address)",
+    )
+    up.add_argument(
+        "--ingress-drain-s",
+        type=float,
+        default=2.0,
+        help="direct ingress: how long a stopping router replica still serves, so that a "
+        "load balancer in front can take it out first",
+    )
     up.add_argument(
         "--transfer-host", default="127.0.0.1", help="address the KV receivers bind and announce"
     )

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.cluster.config import ClusterConfig, PoolAutoscaling
-from pdserve.deploy.redis_server import EmbeddedRedis
+from pdserve.deploy.redis_server import EmbeddedRedis, free_port
 
 READY_TIMEOUT_S = 600.0
 _POLL_S = 0.25
@@ -109,8 +109,14 @@ def run_up(
     ready_timeout_s: float = READY_TIMEOUT_S,
     stop_event: threading.Event | None = None,
     on_ready: Callable[[str], None] | None = None,
+    ingress: str = "proxy",
 ) -> int:
-    """Run the cluster until SIGINT/SIGTERM (or `stop_event`); return an exit code."""
+    """Run the cluster until SIGINT/SIGTERM (or `stop_event`); return an exit code.
+
+    `ingress`: "proxy" (Serve's HTTP proxy on host:port) or "direct" (the router
+    replicas serve HTTP on port, port + 1, ...; `serve_env.direct_ingress_env` must be in
+    the environment before Ray starts, and the proxy gets a free port of its own).
+    """
     import ray
     from ray import serve
     from ray.serve.schema import LoggingConfig
@@ -148,7 +154,8 @@ def run_up(
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
-        serve.start(http_options={"host": host, "port": port})
+        proxy_port = port if ingress == "proxy" else free_port()
+        serve.start(http_options={"host": host, "port": proxy_port})
         what = f"{config.decode_replicas} decode"
         if config.mode == "disagg":
             what = f"{config.prefill_replicas} prefill + {what}"
@@ -163,6 +170,9 @@ def run_up(
         url = f"http://{host}:{port}"
         _say("waiting for every worker to join the prefix index")
         wait_until_ready(url, config, ready_timeout_s, stop)
+        if ingress == "direct" and config.router_replicas > 1:
+            ends = ", ".join(f"http://{host}:{port + i}" for i in range(config.router_replicas))
+            _say(f"router endpoints (put a load balancer in front): {ends}")
         print(f"pdserve ready at {url}", flush=True)
         if on_ready is not None:
             on_ready(url)
