@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.benchmarks.bench import SLO, BenchResult, ModelInfo, Poisson, run_benchmark
+from pdserve.benchmarks.bench_report import Scrape, scrape_metrics
 from pdserve.benchmarks.bench_workloads import Mixed, SharedPrefix, Workload
 from pdserve.deploy.redis_server import drain, free_port, wait_for_line
 from pdserve.engine.hashing import hash_block_chain, hash_namespace
@@ -197,6 +198,7 @@ def _compare_modes(
         ],
     }
     mixed_results: dict[str, BenchResult] = {}
+    decisions: dict[str, float] = {}
     for name, flags in setups.items():
         print(f"compare: mixed on {name} ...", file=sys.stderr, flush=True)
         # NOTE: the router, Serve's proxy and this load generator are not pinned. Pinning
@@ -207,6 +209,8 @@ def _compare_modes(
             mixed_results[name] = _run(
                 url, mixed, cfg.mixed_rate, cfg, model_info(url), cfg.mixed_requests
             )
+            if name == "disagg":  # where its prompts were prefilled, and why
+                decisions = _decisions(scrape_metrics(url))
     d, c = mixed_results["disagg"].summary, mixed_results["colocated"].summary
     return {
         "rate": cfg.mixed_rate,
@@ -214,7 +218,18 @@ def _compare_modes(
         "tpot_p99_s": {"disagg": d.tpot_s.p99, "colocated": c.tpot_s.p99},
         "ttft_p50_s": {"disagg": d.ttft_s.p50, "colocated": c.ttft_s.p50},
         "succeeded": {"disagg": d.num_succeeded, "colocated": c.num_succeeded},
+        "disagg_decisions": decisions,
     }
+
+
+def _decisions(scrape: Scrape) -> dict[str, float]:
+    """`pdserve_disagg_decisions_total` as {"where/reason": count}, zeros left out."""
+    out: dict[str, float] = {}
+    for (name, labels), value in scrape.items():
+        if name == "pdserve_disagg_decisions_total" and value:
+            tags = dict(labels)
+            out[f"{tags.get('where')}/{tags.get('reason')}"] = value
+    return dict(sorted(out.items()))
 
 
 def _compare_placements(
@@ -279,7 +294,15 @@ def _render_modes(m: dict[str, Any], cfg: CompareConfig) -> list[str]:
         )
     goodput = _ratio(m["goodput"]["disagg"], m["goodput"]["colocated"])
     tpot = _ratio(m["tpot_p99_s"]["disagg"], m["tpot_p99_s"]["colocated"])
-    return [*lines, "", f"disagg/colocated: goodput {goodput}, p99 TPOT {tpot}", ""]
+    made = m.get("disagg_decisions") or {}
+    where = ", ".join(f"{k} {v:g}" for k, v in made.items()) or "none scraped"
+    return [
+        *lines,
+        "",
+        f"disagg/colocated: goodput {goodput}, p99 TPOT {tpot}",
+        f"disagg's prefill decisions (where/reason): {where}",
+        "",
+    ]
 
 
 def _render_placements(s: dict[str, Any]) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.benchmarks import compare
 from pdserve.benchmarks.bench import (
     BenchResult,
     ClientLimits,
@@ -30,6 +31,7 @@ from pdserve.benchmarks.bench import (
     run_benchmark,
     write_outputs,
 )
+from pdserve.benchmarks.bench_report import parse_scrape
 from pdserve.benchmarks.bench_workloads import (
     Mixed,
     SharedPrefix,
@@ -350,3 +352,16 @@ def test_a_bad_trace_line_is_named(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"t.jsonl:2: bad trace entry"):
         load_trace(path)
+
+
+def test_compare_reports_disagg_decisions_from_a_real_scrape_format() -> None:
+    """`bench --compare` prints where the disaggregated cluster prefilled, from /metrics."""
+    text = (
+        "# TYPE pdserve_disagg_decisions_total counter\n"
+        'pdserve_disagg_decisions_total{reason="faster",where="local"} 17.0\n'
+        'pdserve_disagg_decisions_total{reason="short_prompt",where="local"} 0.0\n'
+        'pdserve_disagg_decisions_total{reason="prefill_idle",where="remote"} 79.0\n'
+        'pdserve_decode_local_prefill_total{reason="policy"} 17.0\n'
+    )
+    got = compare._decisions(parse_scrape(text))
+    assert got == {"local/faster": 17.0, "remote/prefill_idle": 79.0}
