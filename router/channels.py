@@ -61,7 +61,7 @@ class DecodeChannels:
         self._prefix = f"router-{uuid.uuid4().hex[:12]}"
         self._ids = itertools.count()
         self._conns: dict[str, Connection] = {}
-        self._opening: dict[str | None, asyncio.Task[Connection]] = {}
+        self._opening: dict[str, asyncio.Task[Connection]] = {}
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
@@ -69,17 +69,16 @@ class DecodeChannels:
         return len(self._conns)
 
     async def connect(self, target: str | None) -> Connection:
-        """A channel to decode replica `target` (any replica if None: Serve picks, and
-        the returned connection says which). Opening one costs a round trip; requests
-        after the first reuse it."""
-        if target is not None:
-            conn = self._conns.get(target)
-            if conn is not None and conn.accepting:
-                return conn
-        else:
-            usable = [c for c in self._conns.values() if c.accepting]
-            if usable:
-                return min(usable, key=lambda c: len(c.queues))
+        """A channel to decode replica `target` (if None, to the replica Serve picks for
+        this call; the returned connection says which). Opening one costs a round trip;
+        requests after the first reuse it."""
+        if target is None:
+            # No placement (the index is down): Serve picks the replica for each request,
+            # as it spreads them; the channel to the one it picked is reused.
+            return await self._open(None)
+        conn = self._conns.get(target)
+        if conn is not None and conn.accepting:
+            return conn
         task = self._opening.get(target)
         if task is None:
             task = asyncio.create_task(self._open(target))
@@ -88,7 +87,7 @@ class DecodeChannels:
         # shield: one waiter's cancellation must not cancel the others' open
         return await asyncio.shield(task)
 
-    def _forget_opening(self, target: str | None, task: asyncio.Task[Connection]) -> None:
+    def _forget_opening(self, target: str, task: asyncio.Task[Connection]) -> None:
         if self._opening.get(target) is task:
             del self._opening[target]
         if not task.cancelled():

@@ -128,11 +128,13 @@ class FakeHandle:
         self.replicas = {r.worker_id: r for r in replicas}
         self.broken = asyncio.Event()
         self.opened = 0
+        self.spread = 0
 
     def route(self, target: str | None) -> FakeDecode:
         if target in self.replicas:
             return self.replicas[target]
-        return next(iter(self.replicas.values()))
+        self.spread += 1  # no target: Serve spreads calls over the replicas
+        return list(self.replicas.values())[self.spread % len(self.replicas)]
 
     def options(self, stream: bool = False) -> FakeHandle:
         return self
@@ -264,3 +266,20 @@ async def test_closing_a_channel_aborts_its_requests_on_the_decode_side() -> Non
     async with asyncio.timeout(TIMEOUT_S):
         while decode.channels.num_requests:
             await asyncio.sleep(0.01)
+
+
+@in_loop
+async def test_without_a_target_serve_picks_the_replica_of_each_request() -> None:
+    """Placement without the index: requests spread as Serve spreads them, and the
+    channel to each replica is shared by the requests that land there."""
+    d0, d1 = FakeDecode("d0"), FakeDecode("d1")
+    handle = FakeHandle(d0, d1)
+    channels = DecodeChannels(handle, TIMEOUT_S)
+    streams = [_stream(channels, rid, target=None) for rid in ("a", "b", "c", "d")]
+    workers = [(await _next(s))["worker_id"] for s in streams]
+    assert sorted(workers) == ["d0", "d0", "d1", "d1"]
+    assert channels.num_open == 2 and sorted(d0.submitted + d1.submitted) == list("abcd")
+    for s, rid, worker in zip(streams, "abcd", workers, strict=True):
+        (d0 if worker == "d0" else d1).emit(rid, 1, finished=True)
+        assert (await _next(s))["token_ids"] == [1]
+    channels.close()
