@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.cluster.config import ClusterConfig, PoolAutoscaling
+from pdserve.deploy.ports import LINGER_WAIT_S, wait_for_ports
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port
 
 READY_TIMEOUT_S = 600.0
@@ -128,6 +129,16 @@ def run_up(
     redis_server: EmbeddedRedis | None = None
     started_ray = False
     try:
+        if ingress == "direct" and address is None:
+            # Serve gives up a direct-ingress port for good the first time its bind fails
+            wait_for_ports(
+                host,
+                range(port, port + config.router_replicas),
+                on_wait=lambda p: _say(
+                    f"port {p} is still held by a previous server's closed connections "
+                    f"(TIME_WAIT); waiting up to {LINGER_WAIT_S:g}s for the kernel to free it"
+                ),
+            )
         if config.redis_url == "":
             _say("starting the embedded Redis")
             # A password even on loopback: other users of this machine reach it too.
