@@ -21,8 +21,8 @@ LINGER_WAIT_S = 65.0
 _POLL_S = 0.5
 
 FREE = "free"
-LINGERING = "lingering"  # only closed connections hold it: free within TIME_WAIT
-IN_USE = "in_use"  # a socket is bound or listening on it
+LINGERING = "lingering"  # nothing listens, yet it cannot be bound: TIME_WAIT connections
+IN_USE = "in_use"  # something accepts connections on it
 
 
 class PortInUseError(OSError):
@@ -34,8 +34,10 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 def port_state(host: str, port: int) -> str:
-    """FREE if a plain bind of host:port succeeds (as Serve's direct ingress binds it),
-    LINGERING if only SO_REUSEADDR's bind does (TIME_WAIT connections), else IN_USE."""
+    """FREE if a plain bind of host:port succeeds (as Serve's direct ingress binds it);
+    else IN_USE if something accepts connections there, LINGERING if nothing does
+    (closed connections in TIME_WAIT: they block even an SO_REUSEADDR bind when the
+    server that left them bound without it, as Serve does)."""
     with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))
@@ -43,16 +45,12 @@ def port_state(host: str, port: int) -> str:
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise
-    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-            sock.listen(1)  # a listener elsewhere makes this fail even when bind did not
-            return LINGERING
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
+    probe = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    try:
+        with socket.create_connection((probe, port), timeout=2.0):
             return IN_USE
+    except OSError:
+        return LINGERING
 
 
 def wait_for_ports(

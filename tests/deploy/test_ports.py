@@ -37,8 +37,12 @@ def listener() -> Iterator[int]:
 @pytest.fixture
 def lingering_port() -> int:
     """A port whose server closed a connection first, so the kernel keeps that side in
-    TIME_WAIT after the listener itself is closed (what a stopped `pdserve up` leaves)."""
-    server = socket.create_server((HOST, 0))
+    TIME_WAIT after the listener itself is closed (what a stopped `pdserve up` leaves).
+    Bound as Serve binds it, without SO_REUSEADDR: its TIME_WAIT then blocks even an
+    SO_REUSEADDR bind."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind((HOST, 0))
+    server.listen(1)
     port = server.getsockname()[1]
     client = socket.create_connection((HOST, port), timeout=5)
     conn, _ = server.accept()
