@@ -166,11 +166,16 @@ class ClusterConfig(BaseModel):
     # Where a prompt is prefilled in disagg mode (router/disagg.py, docs/architecture.md
     # "Conditional disaggregation and admission"): "always" on a prefill worker;
     # "conditional" on the chosen decode worker instead when its uncached part is at most
-    # local_prefill_max_tokens, or when the decode worker would finish it sooner than
-    # the prefill pool even with its time weighted by 1 + local_prefill_interference x
-    # its running sequences (every one of them stalls while it prefills).
+    # local_prefill_max_tokens, or when the decode worker runs at most
+    # local_prefill_max_running sequences and would finish it sooner than the prefill
+    # pool even with its time weighted by 1 + local_prefill_interference x those
+    # sequences (every one of them stalls while it prefills). The default 0: a decode
+    # worker prefills a long prompt by choice only while it streams nothing, so no
+    # stream's TPOT pays for another's TTFT (short prompts and a saturated prefill pool
+    # aside).
     disagg_policy: DisaggPolicy = "conditional"
     local_prefill_max_tokens: int = Field(default=32, ge=0)
+    local_prefill_max_running: int = Field(default=0, ge=0)
     local_prefill_interference: float = Field(default=0.05, ge=0)
     # Admission: past this many seconds of queued prefill work on every option, a
     # request gets 429 with Retry-After. The decode worker waits for a request's KV

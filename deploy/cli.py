@@ -125,6 +125,7 @@ def _up(args: argparse.Namespace) -> int:
         kv_wait_timeout_s=args.kv_wait_timeout_s,
         disagg_policy=args.disagg_policy,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_max_running=args.local_prefill_max_running,
         local_prefill_interference=args.local_prefill_interference,
         max_prefill_queue_s=args.max_prefill_queue_s,
         kv_wait_factor=args.kv_wait_factor,
@@ -340,6 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=32,
         help="uncached prompt tokens up to which the decode worker prefills (conditional)",
+    )
+    disagg.add_argument(
+        "--local-prefill-max-running",
+        type=int,
+        default=0,
+        help="a decode worker running more sequences than this never prefills a long prompt "
+        "because it would be sooner (0: only an idle one; its streams would stall)",
     )
     disagg.add_argument(
         "--local-prefill-interference",

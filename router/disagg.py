@@ -21,8 +21,9 @@ The rules, in order (`decide`), each a reason of `pdserve_disagg_decisions_total
   cost more than computing it (unless D's queue makes it the slower option).
 - `prefill_idle`: P has nothing queued: remote, the split costs nothing to wait for.
 - `unmeasured`: no rate is known yet (the cluster's first prompts): remote.
-- `faster` (local): D finishes sooner even with its time weighted by
-  1 + `local_prefill_interference` x D's running sequences, which stall meanwhile.
+- `faster` (local): D runs at most `local_prefill_max_running` sequences (default 0:
+  none would stall) and finishes sooner even with its time weighted by
+  1 + `local_prefill_interference` x those sequences, which stall meanwhile.
 - `prefill_saturated` (local): P's queue is past `max_prefill_queue_s`, D's is not.
 - `faster` (remote): otherwise.
 
@@ -122,7 +123,10 @@ def decide(
         choice = Decision("remote", "prefill_idle", remote_s)
     elif remote_s is None or local_s is None:
         choice = Decision("remote", "unmeasured", remote_s)
-    elif local_s * (1.0 + config.local_prefill_interference * decode_running) < remote_s:
+    elif (
+        decode_running <= config.local_prefill_max_running
+        and local_s * (1.0 + config.local_prefill_interference * decode_running) < remote_s
+    ):
         choice = Decision("local", "faster", local_s)
     elif _past(remote.queue_s, config) and not _past(local.queue_s, config):
         choice = Decision("local", "prefill_saturated", local_s)

@@ -43,6 +43,9 @@ FLAGS = (
     *("--prefill-replicas", "1", "--decode-replicas", "1", "--replica-cpus", "0"),
     *("--dtype", "float32", "--block-size", "8", "--threads", "1"),
     *("--disagg-policy", "conditional", "--max-prefill-queue-s", "0.000001"),
+    # the second long prompt finds one request on the decode worker (the first, waiting
+    # for its KV): let a worker running one take a prompt it finishes sooner
+    *("--local-prefill-max-running", "1"),
     # the frozen decode worker keeps its index entry; admitted KV is waited for at length
     *("--worker-lease-s", "30", "--kv-wait-floor-s", "10"),
 )

@@ -69,8 +69,18 @@ def test_without_a_measured_rate_the_split_happens() -> None:
     assert (d.where, d.reason, d.estimate_s) == ("remote", "unmeasured", None)
 
 
+def test_a_busy_decode_worker_never_prefills_a_long_prompt_because_it_is_sooner() -> None:
+    # P: 1000 queued + 512 = 1.512 s; D: 0.512 s, yet one running stream would stall
+    d = decide(config(), remote(queued=1000), local(), decode_running=1)
+    assert (d.where, d.reason) == ("remote", "faster")
+    # an idle D takes it: nobody stalls
+    d = decide(config(), remote(queued=1000), local(), decode_running=0)
+    assert (d.where, d.reason) == ("local", "faster")
+    assert d.estimate_s == pytest.approx(0.512)
+
+
 def test_the_decode_worker_prefills_when_it_finishes_sooner_interference_included() -> None:
-    cfg = config(local_prefill_interference=0.05)
+    cfg = config(local_prefill_max_running=64, local_prefill_interference=0.05)
     # P: 1000 queued + 512 = 1.512 s; D: 0.512 s x (1 + 0.05 x 10) = 0.768 s
     d = decide(cfg, remote(queued=1000), local(), decode_running=10)
     assert (d.where, d.reason) == ("local", "faster")
@@ -79,6 +89,9 @@ def test_the_decode_worker_prefills_when_it_finishes_sooner_interference_include
     d = decide(cfg, remote(queued=1000), local(), decode_running=40)
     assert (d.where, d.reason) == ("remote", "faster")
     assert d.estimate_s == pytest.approx(1.512)
+    # past the running bound, however fast
+    cfg = config(local_prefill_max_running=8, local_prefill_interference=0.0)
+    assert decide(cfg, remote(queued=1000), local(), decode_running=9).where == "remote"
 
 
 def test_a_saturated_prefill_pool_hands_prompts_to_a_decode_worker_within_the_bound() -> None:
