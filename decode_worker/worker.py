@@ -113,6 +113,8 @@ class DecodeWorker:
             engine.add_request(request_id, prompt_token_ids, params, stream=True)
             return None
 
+        # the import copies the payload into the cache synchronously (engine/kv_staging.py),
+        # so the received buffer can go back as soon as `start` has run
         release = received.release if received is not None else None
         # coalesce: a stream that falls behind sends several tokens per message
         stream = self.engine.stream(request_id, start, on_started=release, coalesce=True)

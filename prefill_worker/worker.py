@@ -13,12 +13,14 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from pdserve.cluster.rate_meter import RateMeter
 from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
 from pdserve.engine.kv_handoff import KVExport
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.base import KVSender, TransferStats, make_header
+from pdserve.kv_transfer.base import KVSender, TransferHeader, TransferStats, make_header
 from pdserve.kv_transfer.torch_payload import layout_of, payload_bytes
 
 
@@ -111,6 +113,7 @@ class PrefillWorker:
         def export_now(engine: LLMEngine) -> KVExport:
             return engine.export_kv(request_id, first_block)
 
+        export: KVExport | None = None
         try:
             # the KV is exported on the engine thread as soon as the prefill ends, not
             # after the next step (a whole prefill chunk when others are queued)
@@ -124,29 +127,37 @@ class PrefillWorker:
             self.rate.add(len(prompt_token_ids) - num_cached, scheduled, scheduled + compute_s)
             packed = time.monotonic()
             export = self.engine.take_finish_result(request_id)
-            payload = payload_bytes(export.payload)
             # the first token's logprobs (if asked for) cross with its KV: the decode
             # worker reports them, so a response has one for every token
             first_lp = export.first_logprobs
-            header = await asyncio.to_thread(  # checksums: CPU work, off the loop
-                make_header,
-                request_id,
-                self.engine.engine.model_id,
-                self.layout,
-                payload,
-                self.cluster_token,
-                block_hashes=export.block_hashes,
-                first_block_index=first_block,
-                first_token=first_token,
-                first_token_logprob=None if first_lp is None else first_lp.logprob,
-                first_token_top_logprobs=() if first_lp is None else first_lp.top,
-                lease_ms=self.lease_ms,
-            )
+
+            def bytes_and_header(export: KVExport = export) -> tuple[np.ndarray, TransferHeader]:
+                # blocks until the payload is in host memory (on CUDA the engine thread
+                # only started the device->host copy), then checksums: off the loop
+                payload = payload_bytes(export.wait())
+                header = make_header(
+                    request_id,
+                    self.engine.engine.model_id,
+                    self.layout,
+                    payload,
+                    self.cluster_token,
+                    block_hashes=export.block_hashes,
+                    first_block_index=first_block,
+                    first_token=first_token,
+                    first_token_logprob=None if first_lp is None else first_lp.logprob,
+                    first_token_top_logprobs=() if first_lp is None else first_lp.top,
+                    lease_ms=self.lease_ms,
+                )
+                return payload, header
+
+            payload, header = await asyncio.to_thread(bytes_and_header)
             pack_s = time.monotonic() - packed
             stats = await self.sender.send(
                 decode_address, header, payload, timeout_s=self.transfer_timeout_s
             )
         finally:
+            if export is not None:  # sent or failed: its staging region may be reused
+                export.release()
             # not awaited: the result does not depend on it, and it would wait a step
             with contextlib.suppress(EngineClosedError):  # a closed engine holds nothing
                 self.engine.submit(lambda e: e.release_kv(request_id))

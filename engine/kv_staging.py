@@ -1,0 +1,320 @@
+"""Where the KV handoff meets the device: a request's blocks packed into host memory for the
+wire, and arrived blocks written back into the cache (docs/kv-handoff.md, "Devices").
+
+This module is THE one place that names the handoff's device assumptions. Everything
+around it (engine/kv_handoff.py, the prefill and decode workers, kv_transfer/) handles host
+tensors and bytes only. The assumptions:
+
+1. The engine's cache is one tensor [layers, 2, blocks, kv_heads, block_size, head_dim] on
+   one device (CPU or one CUDA device), each block one contiguous chunk (kernels/kv_pack.py).
+2. An export is a contiguous host (CPU) tensor in the wire layout
+   [layers, 2, n, kv_heads, block_size, head_dim]: kv_pack's buffer, byte for byte.
+   `kv_transfer/torch_payload.py` views it as bytes and refuses a tensor on any device.
+3. On CUDA the pack runs on the compute (current) stream, so it is ordered after the steps
+   that wrote the blocks and before any later step that rewrites them. The device->host
+   copy runs on one side stream, behind an event recorded after the pack, into pinned host
+   memory: the engine thread returns at once and the next step is not blocked.
+   `StagedKV.wait()` blocks until the copy is done (call it off the event loop). Every
+   copy goes on that one side stream, so a staging region handed back while its copy was
+   still in flight is rewritten only after that copy (stream order).
+4. Pinned staging memory is one area of `staging_bytes` (EngineConfig.kv_staging_mb),
+   allocated at the first export (an engine that never exports pins nothing) and reused
+   across requests: regions handed out first fit, returned by `StagedKV.release()` from
+   any thread (or when the StagedKV is garbage-collected unreleased). A payload that does
+   not fit gets a one-off pinned allocation (counted in `num_one_off`, logged at debug
+   level), never a failure.
+5. An import reads pageable host memory (the receiver's numpy buffer). Its host->device
+   copy is synchronous: torch waits for the copy before `.to(device)` returns, so the
+   caller may hand the buffer back as soon as `import_blocks` returns (the decode worker
+   releases it right after admitting the request).
+6. Block ids are CPU int64 tensors, checked on the host (range; no repeats on import); the
+   kernel launcher moves them to the device.
+7. On CPU none of 3-5 applies: an export is today's gather (`ref_kv_pack`, index_select),
+   an import today's scatter (`ref_kv_unpack`, index_copy_); no staging, no extra copy,
+   nothing CUDA is touched. `use_kernels=True` forces the Triton kernels anyway (tests run
+   them under TRITON_INTERPRET=1, which takes CPU tensors), and with them the staging area
+   (plain, unpinned memory on CPU) that the kernel packs into directly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import math
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+# NOTE: kernels/kv_pack.py (and with it Triton) is imported only where the kernels run:
+# a CPU install has no Triton, and its path is plain torch (`_gather` / `_scatter`).
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 256  # bytes: region offsets (any item size divides it; DMA-friendly)
+
+
+class StagedKV:
+    """One export's payload in host memory: `wait()` before reading it, `release()` after.
+
+    On CUDA the device->host copy may still run when the export returns: `ready()` says
+    whether it is done, `wait()` blocks until it is (a CUDA event) and returns the tensor.
+    `release()` hands the staging region back for reuse; it is idempotent, and the tensor
+    must not be read after it (`wait()` then raises). Without a device copy or a staging
+    region (the CPU path) both are cheap no-ops beyond that bookkeeping.
+    """
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        copied: torch.cuda.Event | None = None,
+        region: tuple[_HostArena, int, int] | None = None,
+    ) -> None:
+        self._tensor = tensor
+        self._copied = copied
+        self._released = False
+        self._region = region
+        self._finalizer: weakref.finalize[..., StagedKV] | None = None
+        if region is not None:
+            # an export dropped unreleased (e.g. a cancelled prefill) still gives its region
+            # back when collected; counted in the arena's `num_dropped`
+            arena, offset, size = region
+            self._finalizer = weakref.finalize(self, arena.give, offset, size, dropped=True)
+            self._finalizer.atexit = False
+
+    @property
+    def in_staging(self) -> bool:
+        """Whether this payload occupies (until released) a region of the staging area."""
+        return self._finalizer is not None
+
+    def ready(self) -> bool:
+        """Whether the payload is in host memory now (no wait)."""
+        return self._copied is None or self._copied.query()
+
+    def wait(self) -> torch.Tensor:
+        """Block until the payload is in host memory; return it (contiguous, on CPU)."""
+        if self._released:
+            raise RuntimeError("the export was released: its payload may be overwritten")
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._tensor
+
+    def release(self) -> None:
+        """Hand the staging region back (any thread; a second call does nothing)."""
+        self._released = True
+        # detach() succeeds once, whichever thread asks first (or the collector)
+        if self._finalizer is not None and self._finalizer.detach() is not None:
+            assert self._region is not None
+            arena, offset, size = self._region
+            arena.give(offset, size)
+
+
+class _HostArena:
+    """First-fit regions of one host buffer (pinned on CUDA), allocated at first use.
+
+    `take` runs under a lock (the engine thread); `give` only appends to a deque (atomic),
+    so a release from the event loop or a garbage collection never waits on, or
+    re-enters, the lock; the next `take` folds the given-back regions in.
+    """
+
+    def __init__(self, capacity: int, pin: bool) -> None:
+        self.capacity = capacity - capacity % _ALIGN
+        self._pin = pin
+        self._buffer: torch.Tensor | None = None
+        self._free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []
+        self._given: collections.deque[tuple[int, int, bool]] = collections.deque()
+        self._lock = threading.Lock()
+        self._num_dropped = 0
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, int, int] | None:
+        """A uint8 view of `nbytes` and its (offset, size), or None when none is free."""
+        size = max(-(-nbytes // _ALIGN) * _ALIGN, _ALIGN)
+        if size > self.capacity:
+            return None
+        with self._lock:
+            self._reclaim()
+            i = next((i for i, (_, free) in enumerate(self._free) if free >= size), None)
+            if i is None:
+                return None
+            offset, free = self._free[i]
+            if free == size:
+                del self._free[i]
+            else:
+                self._free[i] = (offset + size, free - size)
+            if self._buffer is None:
+                self._buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self._pin)
+            return self._buffer[offset : offset + nbytes], offset, size
+
+    def give(self, offset: int, size: int, dropped: bool = False) -> None:
+        """Return a region (any thread); `dropped`: its export was collected unreleased."""
+        self._given.append((offset, size, dropped))
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            self._reclaim()
+            return sum(size for _, size in self._free)
+
+    @property
+    def num_dropped(self) -> int:
+        """Regions that came back by garbage collection, their export never released."""
+        with self._lock:
+            self._reclaim()
+            return self._num_dropped
+
+    def _reclaim(self) -> None:  # under the lock
+        if not self._given:
+            return
+        while self._given:
+            offset, size, dropped = self._given.popleft()
+            bisect.insort(self._free, (offset, size))
+            if dropped:
+                self._num_dropped += 1
+                logger.debug("a KV export was dropped unreleased: its staging region is back")
+        merged: list[tuple[int, int]] = []
+        for offset, size in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((offset, size))
+        self._free = merged
+
+
+class KVStaging:
+    """The engine's KV handoff to and from host memory (see the module docstring).
+
+    `use_kernels`: pack/unpack with the Triton kernels (kernels/kv_pack.py); None means
+    exactly when the cache is on CUDA. Exports are staged (packed into the staging area)
+    on CUDA, and on CPU when the kernels are forced.
+    """
+
+    def __init__(
+        self, kv_cache: torch.Tensor, staging_bytes: int, *, use_kernels: bool | None = None
+    ) -> None:
+        if staging_bytes < 0:
+            raise ValueError(f"staging_bytes must be >= 0, got {staging_bytes}")
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.on_cuda = self.device.type == "cuda"
+        self.use_kernels = self.on_cuda if use_kernels is None else use_kernels
+        self.staged = self.on_cuda or self.use_kernels
+        self.arena = _HostArena(staging_bytes, pin=self.on_cuda)
+        self._side_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        self.num_one_off = 0  # staged exports that did not fit the staging area
+
+    def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The wire layout of `num_blocks` blocks of this cache."""
+        num_layers, _, _, num_kv_heads, block_size, head_dim = self.kv_cache.shape
+        return (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
+
+    def export_blocks(self, block_ids: Sequence[int] | torch.Tensor) -> StagedKV:
+        """Pack blocks `block_ids` (every layer) into a host tensor in the wire layout.
+
+        Raises ValueError on ids out of range. On CUDA the copy to host may still run when
+        this returns: `StagedKV.wait()` before reading, `release()` when done.
+        """
+        ids = self._check_ids(block_ids, allow_repeats=True)
+        if not self.staged:  # CPU: today's path, one gather into a fresh tensor
+            return StagedKV(_gather(self.kv_cache, ids))
+        shape = self.payload_shape(ids.numel())
+        host, region = self._host_tensor(shape)
+        if not self.on_cuda:  # kernels forced on CPU: pack straight into the staging area
+            from pdserve.kernels.kv_pack import kv_pack
+
+            kv_pack(self.kv_cache, ids, out=host)
+            return StagedKV(host, None, region)
+        if self.use_kernels:
+            from pdserve.kernels.kv_pack import kv_pack
+
+            packed = kv_pack(self.kv_cache, ids)
+        else:
+            packed = _gather(self.kv_cache, ids.to(self.device))
+        side = self._side_stream
+        assert side is not None
+        packed_event = torch.cuda.Event()
+        packed_event.record(torch.cuda.current_stream(self.device))
+        side.wait_event(packed_event)
+        with torch.cuda.stream(side):
+            host.copy_(packed, non_blocking=True)  # pinned destination: truly asynchronous
+            copied = torch.cuda.Event(blocking=True)  # a waiting thread sleeps, not spins
+            copied.record(side)
+        # the caching allocator must not hand `packed` out again before the copy read it
+        packed.record_stream(side)
+        return StagedKV(host, copied, region)
+
+    def import_blocks(self, payload: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
+        """Write `payload` (wire layout, usually host memory) into blocks `block_ids`.
+
+        Synchronous: when it returns, `payload`'s memory is no longer read (a host->device
+        copy from pageable memory with non_blocking=False completes before `.to` returns),
+        so its buffer may be reused at once. Raises ValueError on a payload of the wrong
+        shape or dtype, ids out of range or repeated.
+        """
+        ids = self._check_ids(block_ids, allow_repeats=False)
+        self.check_payload(payload, ids.numel())
+        buffer = payload.to(self.device)  # synchronous (see above); a no-op on CPU
+        if self.use_kernels:
+            from pdserve.kernels.kv_pack import kv_unpack
+
+            kv_unpack(buffer.contiguous(), self.kv_cache, ids)
+        else:
+            _scatter(buffer, self.kv_cache, ids.to(self.device))
+
+    def check_payload(self, payload: torch.Tensor, num_blocks: int) -> None:
+        """Raise ValueError unless `payload` is `num_blocks` blocks of this cache's layout."""
+        shape = self.payload_shape(num_blocks)
+        if tuple(payload.shape) != shape or payload.dtype != self.kv_cache.dtype:
+            raise ValueError(
+                f"payload {tuple(payload.shape)} {payload.dtype} is not {num_blocks} blocks of "
+                f"this cache: {shape} {self.kv_cache.dtype}"
+            )
+
+    def _host_tensor(
+        self, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, tuple[_HostArena, int, int] | None]:
+        dtype = self.kv_cache.dtype
+        nbytes = math.prod(shape) * dtype.itemsize  # kernels/kv_pack.py: kv_pack_num_bytes
+        taken = self.arena.take(nbytes)
+        if taken is not None:
+            view, offset, size = taken
+            return view.view(dtype).view(shape), (self.arena, offset, size)
+        self.num_one_off += 1
+        logger.debug(
+            "KV export of %d bytes does not fit the free staging area (%d of %d bytes); "
+            "one-off host allocation (%d so far)",
+            nbytes,
+            self.arena.free_bytes,
+            self.arena.capacity,
+            self.num_one_off,
+        )
+        return torch.empty(shape, dtype=dtype, pin_memory=self.on_cuda), None
+
+    def _check_ids(
+        self, block_ids: Sequence[int] | torch.Tensor, *, allow_repeats: bool
+    ) -> torch.Tensor:
+        if isinstance(block_ids, torch.Tensor):
+            ids = block_ids.to("cpu", torch.int64)
+        else:
+            ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        if ids.dim() != 1:
+            raise ValueError(f"block ids must be 1-D; got shape {tuple(ids.shape)}")
+        num_blocks = self.kv_cache.shape[2]
+        if ids.numel() > 0:
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= num_blocks:
+                raise ValueError(f"block ids must lie in [0, {num_blocks}); got {low}..{high}")
+            if not allow_repeats and torch.unique(ids).numel() != ids.numel():
+                raise ValueError("block ids to import into must not repeat a block id")
+        return ids
+
+
+def _gather(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """kernels/kv_pack.py's `ref_kv_pack`, without importing Triton."""
+    return kv_cache.index_select(2, ids.long()).contiguous()
+
+
+def _scatter(buffer: torch.Tensor, kv_cache: torch.Tensor, ids: torch.Tensor) -> None:
+    """kernels/kv_pack.py's `ref_kv_unpack`, without importing Triton."""
+    kv_cache.index_copy_(2, ids.long(), buffer)
