@@ -74,6 +74,9 @@ class AttentionBackend(ABC):
     name: str
     # Whether the runner should also build `AttentionMetadata.prefill_batch`.
     wants_prefill_batch: bool = False
+    # Whether the model runs its norms and rotary embedding in Triton kernels with this
+    # backend (`engine/ops.py`): the fused forward, and decode steps as CUDA graphs.
+    uses_triton_ops: bool = False
 
     @abstractmethod
     def forward(

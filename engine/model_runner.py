@@ -19,7 +19,9 @@ from pdserve.engine.attention import (
     PrefillBatch,
     PrefillMeta,
 )
+from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.model import LlamaModel
+from pdserve.engine.ops import ops_for
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import TokenLogprobs
@@ -61,15 +63,78 @@ class ModelRunner:
         self.backend = backend
         self.sampler = sampler
         self.device = device
+        # The model's norm and rotary ops follow the backend: Triton kernels with Triton.
+        model.ops = ops_for(backend)
+        # Decode-only steps as CUDA graphs, once `capture_cuda_graphs` has run.
+        self.graphs: CudaGraphRunner | None = None
+
+    def capture_cuda_graphs(
+        self, max_batch_size: int, max_model_len: int, use_cuda_graph: bool = True
+    ) -> None:
+        """Capture the decode graphs (`engine/cuda_graphs.py`); later decode-only steps
+        of up to `max_batch_size` rows replay them. Call once, with the KV cache final.
+
+        `use_cuda_graph=False` (CPU tests): the same padded static-buffer path, run
+        eagerly. Raises ValueError without the Triton backend (or, for graphs, CUDA).
+        """
+        graphs = CudaGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.backend,
+            self.block_size,
+            max_model_len,
+            max_batch_size,
+            self.device,
+            use_cuda_graph=use_cuda_graph,
+        )
+        graphs.capture()
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        graphs = self.graphs
+        if graphs is not None and not out.prefills and out.decodes:
+            max_context_len = max(item.start + 1 for item in out.decodes)
+            if graphs.fits(len(out.decodes), max_context_len):
+                return self._execute_graph(graphs, out)
         input_ids, positions, meta, sample_rows, sample_items = self._prepare(out)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, self.backend, meta)
         if not sample_items:
             return StepResult({}, {})
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))  # [N, vocab] float32
+        return self._sample(logits, sample_items)
+
+    def _execute_graph(self, graphs: CudaGraphRunner, out: SchedulerOutput) -> StepResult:
+        """A decode-only step through the graph runner's padded static buffers."""
+        bs = self.block_size
+        decodes = sorted(out.decodes, key=lambda item: item.start)  # as `_prepare` orders
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        context_lens: list[int] = []
+        for item in decodes:
+            seq, pos = item.seq, item.start
+            tokens.append(seq.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.blocks[pos // bs].block_id * bs + pos % bs)
+            tables.append([b.block_id for b in seq.blocks[: pos // bs + 1]])
+            context_lens.append(pos + 1)
+        logits = graphs.run(tokens, positions, slots, tables, context_lens)  # [n, vocab]
+        # NOTE: a 1-token prefill chunk rides as a decode row and does not sample.
+        sample_rows = [i for i, item in enumerate(decodes) if item.samples]
+        if not sample_rows:
+            return StepResult({}, {})
+        if len(sample_rows) < len(decodes):
+            rows = torch.tensor(sample_rows, dtype=torch.int64)
+            if self.device.type == "cuda":
+                rows = rows.pin_memory()  # an asynchronous copy: no sync before the sampler's
+            logits = logits.index_select(0, rows.to(self.device, non_blocking=True))
+        return self._sample(logits, [decodes[i] for i in sample_rows])
+
+    def _sample(self, logits: torch.Tensor, sample_items: list[ScheduledSeq]) -> StepResult:
+        """Sample one token per row of `logits` [N, vocab], row i for sample_items[i]."""
         ids = [item.seq.request_id for item in sample_items]
         sampled_at = [item.seq.num_tokens for item in sample_items]  # the new token's position
         result = self.sampler(logits, sampled_at, [item.seq.params for item in sample_items])

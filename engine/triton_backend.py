@@ -1,5 +1,9 @@
 """The Triton attention backend of the engine: reshape_and_cache + paged attention.
 
+With it the model also runs RMSNorm (residual add fused) and rotary embedding in their
+Triton kernels (`engine/ops.py`), and on CUDA decode steps replay as CUDA graphs
+(`engine/cuda_graphs.py`).
+
 Selected automatically on CUDA (`EngineConfig.attention_backend="auto"`), or explicitly
 with `"triton"`. On CPU it runs only under `TRITON_INTERPRET=1` (tests); the torch
 backend (`engine/attention.py`) is the CPU path. Outputs equal the torch backend's up
@@ -19,6 +23,7 @@ from pdserve.kernels.reshape_and_cache import reshape_and_cache
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     wants_prefill_batch = True
+    uses_triton_ops = True  # the model's norms and rotary run in kernels/ too
 
     def forward(
         self,
