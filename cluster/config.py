@@ -22,7 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig, LoadFormat
 from pdserve.engine.errors import EngineError
 from pdserve.engine.model_config import ModelConfig, load_model_config
 from pdserve.kv_transfer.tls import TLSConfig
@@ -214,12 +214,20 @@ class ClusterConfig(BaseModel):
     # Engine (both roles).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
+    # "dummy": random weights of config.json's shape, no weight file read (benchmarks).
+    load_format: LoadFormat = "auto"
     num_threads: int = Field(default=1, ge=1, description="torch threads per replica")
     block_size: int = Field(default=16, ge=1, le=1024)
     max_model_len: int | None = Field(default=None, ge=2)
     num_kv_blocks: int | None = Field(default=None, ge=1)
+    # CUDA, without num_kv_blocks: the fraction of its GPU's memory each worker replica
+    # may use, the KV pool taking what the model leaves (EngineConfig). None: 0.9, times
+    # replica_num_gpus when that is a fraction (replicas sharing a GPU split it).
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # CUDA only: every step eagerly, no decode CUDA graphs (EngineConfig.enforce_eager).
+    enforce_eager: bool = False
     # A step that has decode rows takes only the prefill tokens that keep its measured
     # cost within this (EngineConfig.tpot_target_ms). 100 ms: a GPU step stays far below
     # it, so it binds only where a prompt really would stall the streams (CPU).
@@ -264,6 +272,13 @@ class ClusterConfig(BaseModel):
             )
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError("device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device != "cpu" and self.replica_num_gpus <= 0:
+            # Ray sets CUDA_VISIBLE_DEVICES="" in an actor that asks for no GPU.
+            raise ConfigError(
+                "replica_num_gpus",
+                f"device {self.device!r} needs GPUs per worker replica (Ray hides every GPU "
+                "from a replica that asks for none): 1, or 0.5 for two replicas on one GPU",
+            )
         scheme = urlsplit(self.redis_url).scheme
         if self.redis_url and scheme not in ("redis", "rediss", "unix"):
             raise ConfigError("redis_url", "must be a redis://, rediss:// or unix:// URL")
@@ -346,6 +361,14 @@ class ClusterConfig(BaseModel):
         """What `make_sender` / `make_receiver` take: None unless kv_tls is set."""
         return None if self.kv_tls is None else self.kv_tls.transport()
 
+    def worker_gpu_memory_utilization(self) -> float | None:
+        """`gpu_memory_utilization`, or where unset and worker replicas share a GPU
+        (`replica_num_gpus` below 1), their share of the default: two replicas of 0.5
+        GPU get 0.45 each and fit side by side. None: the engine's default."""
+        if self.gpu_memory_utilization is not None or not 0 < self.replica_num_gpus < 1:
+            return self.gpu_memory_utilization
+        return DEFAULT_GPU_MEMORY_UTILIZATION * self.replica_num_gpus
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model_id=self.model_id,
@@ -354,9 +377,12 @@ class ClusterConfig(BaseModel):
             num_threads=self.num_threads,
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
+            gpu_memory_utilization=self.worker_gpu_memory_utilization(),
+            load_format=self.load_format,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            enforce_eager=self.enforce_eager,
             tpot_target_ms=self.tpot_target_ms,
             seed=self.seed,
         )
@@ -370,9 +396,12 @@ def _check_kv_pool(cfg: ClusterConfig, mc: ModelConfig) -> None:
     """The KV pool a replica would allocate holds one sequence of `max_model_len` tokens.
 
     NOTE: mirrors `LLMEngine._size_kv_pool` (which needs torch, this module must not):
-    a replica raises the same error at start.
+    a replica raises the same error at start. A CUDA replica without num_kv_blocks
+    measures its pool at start (gpu_memory_utilization): nothing to check here.
     """
     assert cfg.max_model_len is not None
+    if cfg.num_kv_blocks is None and cfg.device != "cpu":
+        return
     dtype = cfg.dtype if cfg.dtype != "auto" else mc.torch_dtype
     block_bytes = cfg.block_size * mc.kv_bytes_per_token * _ITEMSIZE.get(dtype, 4) // 4
     if cfg.num_kv_blocks is not None:

@@ -117,9 +117,14 @@ def _up(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        load_format=args.load_format,
         tpot_target_ms=args.tpot_target_ms,
+        enforce_eager=args.enforce_eager,
         stream_hold_above=args.stream_hold_above,
         replica_num_cpus=args.replica_cpus,
+        device=args.device,
+        replica_num_gpus=args.replica_gpus,
         worker_lease_s=args.worker_lease_s,
         heartbeat_s=args.heartbeat_s,
         kv_wait_timeout_s=args.kv_wait_timeout_s,
@@ -305,8 +310,27 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--block-size", type=int, default=16)
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker")
+    up.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="CUDA, without --num-kv-blocks: fraction of its GPU's memory a worker may use, "
+        "the KV pool taking what the model leaves (default 0.9, times --replica-gpus "
+        "when that is a fraction); ignored on CPU",
+    )
+    up.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: random weights of config.json's shape, no weight file read (benchmarks)",
+    )
     up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     up.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    up.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA only: run every engine step eagerly (no decode CUDA graphs)",
+    )
     up.add_argument(
         "--tpot-target-ms",
         type=_float_or_off,
@@ -384,6 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-cpus", default=None, help="pin prefill replicas to these CPUs")
     up.add_argument("--decode-cpus", default=None, help="pin decode replicas to these CPUs")
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")
+    up.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' for the workers")
+    up.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=0.0,
+        help="Ray GPUs per worker replica; a fraction shares one GPU (0.5: two replicas)",
+    )
     tls = up.add_argument_group(
         "KV transfer TLS (gRPC transport only; PEM files at the same paths on every node)"
     )

@@ -8,14 +8,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton"]
+LoadFormat = Literal["auto", "dummy"]
+# What `gpu_memory_utilization=None` means on CUDA (vLLM's default).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 class EngineConfig(BaseModel):
     """Knobs of one engine instance (one worker process).
 
     The KV pool is sized either by `num_kv_blocks` or by `kv_cache_memory_gb`; with
-    neither, it gets enough blocks for `max_num_seqs` sequences of `max_model_len` tokens
-    but at most 1 GiB on CPU.
+    neither, on CUDA from the memory the loaded model leaves of `gpu_memory_utilization`
+    (engine/memory_profile.py), on CPU with enough blocks for `max_num_seqs` sequences of
+    `max_model_len` tokens but at most 1 GiB.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -25,12 +29,35 @@ class EngineConfig(BaseModel):
     )
     dtype: DType = "auto"
     device: str = "cpu"
+    load_format: LoadFormat = Field(
+        default="auto",
+        description="auto: the folder's safetensors weights; dummy: random weights of the"
+        " shape config.json gives (seeded by `seed`), made on the device, no weight file"
+        " read: for benchmarks and tests of a model's speed, not its text.",
+    )
     num_threads: int | None = Field(
         default=1, ge=1, description="torch threads for this process; None leaves torch's default."
     )
     block_size: int = Field(default=16, ge=1, le=1024)
     num_kv_blocks: int | None = Field(default=None, ge=1)
     kv_cache_memory_gb: float | None = Field(default=None, gt=0)
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="CUDA: the fraction of the device's total memory this engine may use"
+        " (weights, the largest step's activations, its memory outside torch, and the KV"
+        " pool that fills the rest, measured at start: engine/memory_profile.py); that much"
+        " must be free at start. None: 0.9. num_kv_blocks and kv_cache_memory_gb override"
+        " it; ignored on CPU, where the pool is at most 1 GiB.",
+    )
+    kv_staging_mb: int = Field(
+        default=256,
+        ge=0,
+        description="Pinned host memory (MiB, CUDA only, allocated at the first KV export and"
+        " reused) that exported KV is copied into for sending; a payload that does not fit"
+        " gets a one-off allocation (engine/kv_staging.py).",
+    )
     max_model_len: int | None = Field(default=None, ge=1)
     max_num_seqs: int = Field(default=256, ge=1)
     max_num_batched_tokens: int = Field(
@@ -47,6 +74,18 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     cache_salt: str | None = None
     attention_backend: AttentionBackendName = "auto"
+    enforce_eager: bool = Field(
+        default=False,
+        description="CUDA only: run every step eagerly; False replays decode-only steps as"
+        " CUDA graphs (with the Triton attention backend).",
+    )
+    max_cuda_graph_batch_size: int = Field(
+        default=256,
+        ge=1,
+        description="CUDA only: decode-only steps of up to this many sequences (and at most"
+        " max_num_seqs) replay as CUDA graphs, padded up to the next captured batch size;"
+        " larger ones run eagerly.",
+    )
     seed: int = 0
 
     @model_validator(mode="after")

@@ -218,17 +218,31 @@ def _write_random(model_dir: Path, seed: int) -> None:
 def _write_folder(
     model_dir: Path, tokenizer: Tokenizer, shape: ModelShape, weights: dict[str, torch.Tensor]
 ) -> None:
+    ids = _write_tokenizer_files(model_dir, tokenizer)
+    _write_json(model_dir / "config.json", _model_config(ids, shape))
+    save_file(weights, str(model_dir / "model.safetensors"), {"format": "pt"})
+
+
+def write_random_tokenizer(model_dir: Path) -> dict[str, int]:
+    """Write the random model's tokenizer files (vocabulary 512) and generation config
+    into `model_dir`; return the special tokens' ids. In well under a second: for model
+    folders without weights (`engine/dummy_model.py`)."""
+    return _write_tokenizer_files(model_dir, _train_tokenizer(RANDOM_SHAPE.vocab_size))
+
+
+def _write_tokenizer_files(model_dir: Path, tokenizer: Tokenizer) -> dict[str, int]:
+    """tokenizer.json, its config, the special tokens and the generation config (eos ids);
+    returns the special tokens' ids."""
     tokenizer.save(str(model_dir / "tokenizer.json"), pretty=True)
     ids = {token: _token_id(tokenizer, token) for token in SPECIAL_TOKENS}
     _write_json(model_dir / "tokenizer_config.json", _tokenizer_config(ids))
     _write_json(model_dir / "special_tokens_map.json", _special_tokens_map())
-    _write_json(model_dir / "config.json", _model_config(ids, shape))
     generation_config = {
         "bos_token_id": ids[BOS_TOKEN],
         "eos_token_id": [ids[EOS_TOKEN], ids[IM_END_TOKEN]],
     }
     _write_json(model_dir / "generation_config.json", generation_config)
-    save_file(weights, str(model_dir / "model.safetensors"), {"format": "pt"})
+    return ids
 
 
 def _corpus() -> str:

@@ -16,12 +16,23 @@ import torch
 from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
 from pdserve.engine.block_pool import BlockPool, KVEvent, KVEventKind
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from pdserve.engine.cuda_graphs import cuda_graphs_enabled
 from pdserve.engine.demo_model import resolve_model
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.hashing import hash_namespace
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.kv_handoff import KVExport, KVImportError, export_kv, import_prefilled
+from pdserve.engine.kv_staging import KVStaging
+from pdserve.engine.memory_profile import (
+    CudaMemoryReader,
+    DeviceMemory,
+    MemoryProfile,
+    MemoryReader,
+    check_share_is_free,
+    measure_step_peak,
+    profile_batches,
+)
 from pdserve.engine.model import LlamaModel, load_model
 from pdserve.engine.model_config import ModelConfig, load_model_config
 from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
@@ -73,7 +84,16 @@ def make_attention_backend(
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path | None, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path | None,
+        config: EngineConfig | None = None,
+        *,
+        memory_reader: MemoryReader | None = None,
+    ) -> None:
+        """`memory_reader`: how the KV pool's sizing reads the device (memory_profile.py);
+        by default torch.cuda's on CUDA, and none on CPU (the pool is not measured there).
+        A reader given on CPU makes the engine measure as on CUDA (tests)."""
         self.config = config = config or EngineConfig()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -83,10 +103,25 @@ class LLMEngine:
         self.model_id = config.model_id or self.model_dir.name
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
-        self.max_model_len, self.num_kv_blocks = self._size_kv_pool()
+        # With neither num_kv_blocks nor kv_cache_memory_gb, a CUDA engine sizes its KV
+        # pool from what the loaded model leaves of gpu_memory_utilization.
+        self.memory_profile: MemoryProfile | None = None
+        reader = self._kv_memory_reader(memory_reader)
+        start = None if reader is None else self._memory_at_start(reader)
+        self.max_model_len = self._context_len()
+        if start is None:  # a configured pool: a too small one fails before the weights load
+            self.max_model_len, self.num_kv_blocks = self._size_kv_pool()
         self.model: LlamaModel = load_model(
-            self.model_dir, self.model_config, self.dtype, self.device, self.max_model_len
+            self.model_dir,
+            self.model_config,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            config.load_format,
+            config.seed,
         )
+        if reader is not None and start is not None:
+            self.max_model_len, self.num_kv_blocks = self._measure_kv_pool(reader, start)
         self.block_pool = BlockPool(
             self.num_kv_blocks, enable_caching=config.enable_prefix_caching, enable_events=True
         )
@@ -115,6 +150,7 @@ class LLMEngine:
             Sampler(config.seed, self.device),
             self.device,
         )
+        self.kv_staging = KVStaging(self.runner.kv_cache, config.kv_staging_mb << 20)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -122,15 +158,32 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished prefills keeping their blocks
         self._trackers: dict[str, TextTracker] = {}
+        if cuda_graphs_enabled(config.enforce_eager, self.device, self.runner.backend):
+            # Decode steps as CUDA graphs, captured once the KV cache is final.
+            start_s = time.perf_counter()
+            self.runner.capture_cuda_graphs(
+                min(config.max_cuda_graph_batch_size, config.max_num_seqs), self.max_model_len
+            )
+            logger.info("captured decode CUDA graphs in %.1f s", time.perf_counter() - start_s)
 
-    def _size_kv_pool(self) -> tuple[int, int]:
+    def _context_len(self) -> int:
+        """max_model_len, else the model's positions; within any sliding window."""
         cfg, mc = self.config, self.model_config
         max_len = cfg.max_model_len or mc.max_position_embeddings
         if mc.sliding_window is not None and max_len > mc.sliding_window:
             # NOTE: sliding-window attention is not implemented; within the window full
             # attention is identical, so the context is capped to it instead.
             max_len = mc.sliding_window
-        block_bytes = cfg.block_size * mc.kv_bytes_per_token * _itemsize(self.dtype) // 4
+        return max_len
+
+    def _block_bytes(self) -> int:
+        mc = self.model_config
+        return self.config.block_size * mc.kv_bytes_per_token * _itemsize(self.dtype) // 4
+
+    def _size_kv_pool(self) -> tuple[int, int]:
+        """(max_model_len, blocks) of a pool sized by the configuration alone."""
+        cfg = self.config
+        max_len, block_bytes = self._context_len(), self._block_bytes()
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif cfg.kv_cache_memory_gb is not None:
@@ -138,14 +191,90 @@ class LLMEngine:
         else:
             wanted = cfg.max_num_seqs * cdiv(max_len, cfg.block_size)
             num_blocks = min(wanted, _DEFAULT_KV_BYTES // block_bytes)
+        return self._fit_context(max_len, num_blocks, "")
+
+    def _fit_context(self, max_len: int, num_blocks: int, why: str) -> tuple[int, int]:
+        """(max_model_len, blocks): the context capped to the pool, unless it was set."""
+        cfg = self.config
         if num_blocks * cfg.block_size < max_len:
             if cfg.max_model_len is not None:
                 raise InvalidRequestError(
-                    f"the KV pool ({num_blocks} blocks of {cfg.block_size}) cannot hold one "
-                    f"sequence of max_model_len={max_len} tokens"
+                    f"the KV pool ({num_blocks} blocks of {cfg.block_size}{why}) cannot hold "
+                    f"one sequence of max_model_len={max_len} tokens"
                 )
             max_len = num_blocks * cfg.block_size
         return max_len, max(num_blocks, 1)
+
+    def _kv_memory_reader(self, given: MemoryReader | None) -> MemoryReader | None:
+        """The reader that sizes the pool, or None when the configuration does."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None or cfg.kv_cache_memory_gb is not None:
+            return None
+        if given is None and self.device.type == "cuda":
+            return CudaMemoryReader(self.device)
+        return given
+
+    def _utilization(self) -> float:
+        util = self.config.gpu_memory_utilization
+        return DEFAULT_GPU_MEMORY_UTILIZATION if util is None else util
+
+    def _memory_at_start(self, reader: MemoryReader) -> DeviceMemory:
+        start = reader.snapshot()
+        why_not = check_share_is_free(start, self._utilization())
+        if why_not is not None:
+            raise InvalidRequestError(why_not)
+        return start
+
+    def _measure_kv_pool(self, reader: MemoryReader, start: DeviceMemory) -> tuple[int, int]:
+        """(max_model_len, blocks) from the memory the loaded model leaves of the engine's
+        share, measured over its largest step (engine/memory_profile.py)."""
+        cfg, max_len = self.config, self.max_model_len
+        peak, scratch_bytes = measure_step_peak(
+            self._profile_runner,
+            reader,
+            profile_batches(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len),
+            cfg.block_size,
+            max_len,
+            self.model_config.vocab_size,
+        )
+        end = reader.snapshot()  # the profile's tensors are gone: only the model remains
+        self.memory_profile = profile = MemoryProfile(
+            utilization=self._utilization(),
+            total_bytes=start.total_bytes,
+            peak_torch_bytes=peak - start.torch_allocated_bytes - scratch_bytes,
+            non_torch_bytes=max(end.non_torch_bytes - start.non_torch_bytes, 0),
+            block_bytes=self._block_bytes(),
+            step_tokens=cfg.max_num_batched_tokens,
+        )
+        # Never more than the running sequences can use: each block costs the block pool
+        # host memory and start time too (millions for a tiny model on a large GPU).
+        num_blocks = min(profile.num_blocks, cfg.max_num_seqs * cdiv(max_len, cfg.block_size))
+        logger.info(
+            "KV pool sized from the device: %s; the pool takes %d blocks (%.2f GiB)",
+            profile.describe(),
+            num_blocks,
+            num_blocks * profile.block_bytes / (1 << 30),
+        )
+        if num_blocks == 0:
+            raise InvalidRequestError(
+                f"no memory is left for the KV cache: {profile.describe()}; raise "
+                "gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or set "
+                "num_kv_blocks / kv_cache_memory_gb"
+            )
+        why = f" that gpu_memory_utilization={profile.utilization:g} leaves"
+        return self._fit_context(max_len, num_blocks, why)
+
+    def _profile_runner(self, num_blocks: int) -> ModelRunner:
+        """A runner like the engine's (below) over a scratch KV cache of `num_blocks`."""
+        cfg = self.config
+        return ModelRunner(
+            self.model,
+            allocate_kv_cache(self.model, num_blocks, cfg.block_size, self.device),
+            cfg.block_size,
+            make_attention_backend(cfg.attention_backend, self.device, self.model.dtype),
+            Sampler(cfg.seed, self.device),
+            self.device,
+        )
 
     # -- requests -------------------------------------------------------------------
 
@@ -193,7 +322,7 @@ class LLMEngine:
         _check_first_logprobs(first_token, params, first_logprobs)
         seq = self._new_sequence(request_id, prompt_token_ids, params, None)
         import_prefilled(
-            seq, payload, first_block, self.kv_manager, self.runner.kv_cache, self.scheduler
+            seq, payload, first_block, self.kv_manager, self.kv_staging, self.scheduler
         )
         self._track(seq, stream)
         seq.append_token(first_token)
@@ -205,11 +334,15 @@ class LLMEngine:
         return self._output(seq, [first_token], seq.is_finished)
 
     def export_kv(self, request_id: str, first_block: int = 0) -> KVExport:
-        """Prefill role: the prompt KV of a finished `hold_kv` request, from `first_block`."""
+        """Prefill role: the prompt KV of a finished `hold_kv` request, from `first_block`.
+
+        On CUDA its copy to host may still run: `wait()` for it off the event loop, and
+        `release()` the export once its payload is sent (engine/kv_staging.py).
+        """
         seq = self._held.get(request_id)
         if seq is None:
             raise InvalidRequestError(f"request {request_id!r} holds no KV here")
-        return export_kv(seq, self.runner.kv_cache, self.config.block_size, first_block)
+        return export_kv(seq, self.kv_staging, self.config.block_size, first_block)
 
     def release_kv(self, request_id: str) -> None:
         """Prefill role: drop a held request's blocks (they stay in the prefix cache)."""

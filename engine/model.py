@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from pdserve.engine.linear import Linear
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.rotary import apply_rotary, cos_sin_cache
 from pdserve.engine.weights import iter_weights
+
+if TYPE_CHECKING:
+    from pdserve.engine.ops import ModelOps
 
 
 @dataclass
@@ -60,6 +64,9 @@ class LlamaModel:
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self._qkv_split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
         self.scale = head_dim**-0.5
+        # Norm and rotary ops; the runner binds them to its attention backend
+        # (`engine/ops.py`). None, or unfused ops: the plain torch forward below.
+        self.ops: ModelOps | None = None
 
     def forward(
         self,
@@ -70,6 +77,8 @@ class LlamaModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (before the final norm)."""
+        if self.ops is not None and self.ops.fused:
+            return self._forward_fused(self.ops, input_ids, positions, kv_caches, attn, meta)
         cfg = self.config
         num_tokens = input_ids.shape[0]
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
@@ -89,9 +98,49 @@ class LlamaModel:
             hidden = residual + layer.down(F.silu(gate) * up)
         return hidden
 
+    def _forward_fused(
+        self,
+        ops: ModelOps,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`forward` over `ops`, the residual stream carried through the norms (as vLLM):
+        each norm adds the previous sublayer's output to the residual in the same kernel,
+        and the rotary kernel looks cos/sin up by position itself."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
+        residual: torch.Tensor | None = None  # the first norm takes hidden as the residual
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = ops.norm(hidden, layer.input_norm, eps, residual)
+            q, k, v = layer.qkv(x).split(self._qkv_split, dim=-1)
+            q, k = ops.rotate(
+                positions,
+                q.view(num_tokens, cfg.num_heads, cfg.head_dim),
+                k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+                self.cos,
+                self.sin,
+            )
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            out = attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+            attn_out = layer.o(out.reshape(num_tokens, -1))
+            x, residual = ops.norm(attn_out, layer.post_norm, eps, residual)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = layer.down(F.silu(gate) * up)
+        # The last MLP output joins the residual stream here, so that callers get the whole
+        # hidden state (`logits` takes rows of it), as from the torch forward.
+        return hidden if residual is None else residual + hidden
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows of `hidden` that sample."""
-        x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        if self.ops is not None and self.ops.fused:
+            x, _ = self.ops.norm(hidden, self.final_norm, self.config.rms_norm_eps, None)
+        else:
+            x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return self.lm_head(x).float()
 
 
@@ -133,23 +182,83 @@ def _layer(tensors: dict[str, torch.Tensor], i: int) -> LayerWeights:
     )
 
 
+# Dummy weights are uniform in [-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE] (as vLLM's), norm
+# weights 1: each norm brings the residual stream back to unit scale, and the sublayers
+# add little to it, so activations stay small and finite in bf16 at any depth.
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+def dummy_weights(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint of `config`'s shape holds, by its checkpoint name (tied
+    embeddings: no `lm_head.weight`; biases where `config` has them), made on `device`
+    in `dtype` from a generator there seeded with `seed`: the same seed and device type
+    give the same weights, and nothing is copied from the host."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    r = DUMMY_WEIGHT_RANGE
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device).uniform_(-r, r, generator=generator)
+
+    def ones(size: int) -> torch.Tensor:
+        return torch.ones(size, dtype=dtype, device=device)
+
+    hidden, ffn = config.hidden_size, config.intermediate_size
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    tensors = {"model.embed_tokens.weight": rand(config.vocab_size, hidden)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        tensors[f"{p}input_layernorm.weight"] = ones(hidden)
+        for name, rows in (("q", q_size), ("k", kv_size), ("v", kv_size)):
+            tensors[f"{p}self_attn.{name}_proj.weight"] = rand(rows, hidden)
+            if config.qkv_bias:
+                tensors[f"{p}self_attn.{name}_proj.bias"] = rand(rows)
+        tensors[f"{p}self_attn.o_proj.weight"] = rand(hidden, q_size)
+        if config.o_bias:
+            tensors[f"{p}self_attn.o_proj.bias"] = rand(hidden)
+        tensors[f"{p}post_attention_layernorm.weight"] = ones(hidden)
+        for name in ("gate", "up"):
+            tensors[f"{p}mlp.{name}_proj.weight"] = rand(ffn, hidden)
+            if config.mlp_bias:
+                tensors[f"{p}mlp.{name}_proj.bias"] = rand(ffn)
+        tensors[f"{p}mlp.down_proj.weight"] = rand(hidden, ffn)
+        if config.mlp_bias:
+            tensors[f"{p}mlp.down_proj.bias"] = rand(hidden)
+    tensors["model.norm.weight"] = ones(hidden)
+    if not config.tie_word_embeddings:
+        tensors["lm_head.weight"] = rand(config.vocab_size, hidden)
+    return tensors
+
+
 def load_model(
     model_dir: Path,
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> LlamaModel:
     """Load the checkpoint's tensors into a LlamaModel (cast to dtype, on device).
+
+    `load_format="dummy"`: random weights of the checkpoint's shape instead
+    (`dummy_weights`, seeded by `seed`); no weight file is read, or needed.
 
     Raises:
         CheckpointError: a tensor is missing, or the checkpoint holds unexpected ones.
     """
-    tensors = {
-        name: t.to(device=device, dtype=dtype)
-        for name, t in iter_weights(model_dir)
-        if not name.endswith("rotary_emb.inv_freq")
-    }
+    if load_format == "dummy":
+        tensors = dummy_weights(config, dtype, device, seed)
+    elif load_format == "auto":
+        tensors = {
+            name: t.to(device=device, dtype=dtype)
+            for name, t in iter_weights(model_dir)
+            if not name.endswith("rotary_emb.inv_freq")
+        }
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     embed = _take(tensors, "model.embed_tokens.weight")
     layers = [_layer(tensors, i) for i in range(config.num_layers)]
     final_norm = _take(tensors, "model.norm.weight")

@@ -129,3 +129,35 @@ def test_up_puts_serve_settings_in_place_before_serve_is_imported(random_model_d
         timeout=120,
     )
     assert "by_reference False" in result.stdout, result.stdout + result.stderr
+
+
+def test_up_passes_the_kv_memory_and_load_format_flags(
+    random_model_dir: Path, tmp_path: Path
+) -> None:
+    """`--gpu-memory-utilization` and `--load-format` reach the engine config every worker
+    builds; "dummy" serves a folder without weights (preflight does not ask for them)."""
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(random_model_dir / name, folder / name)
+    code = (
+        "import sys\n"
+        "from pdserve.deploy import cli\n"
+        "import pdserve.deploy.up as up\n"
+        "def fake_run_up(config, *args, **kw):\n"
+        "    engine = config.engine_config()\n"
+        "    print('engine', engine.gpu_memory_utilization, engine.load_format)\n"
+        "    return 0\n"
+        "up.run_up = fake_run_up\n"
+        "sys.exit(cli.main(['up', '--model', *sys.argv[1:]]))\n"
+    )
+    flags = ["--gpu-memory-utilization", "0.7", "--load-format", "dummy"]
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(folder), *flags],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "engine 0.7 dummy" in result.stdout, result.stdout + result.stderr

@@ -73,10 +73,20 @@ def _up(model_dir: Path, *flags: str) -> tuple[int, str, float]:
         ("block_size", ["--block-size", "12"]),
         ("max_model_len", ["--max-model-len", "4096"]),  # the model's is 256
         ("num_kv_blocks", ["--num-kv-blocks", "4", "--block-size", "16"]),  # 64 < 256 tokens
+        ("gpu_memory_utilization", ["--gpu-memory-utilization", "1.5"]),
+        ("replica_num_gpus", ["--device", "cuda"]),  # a replica asking no GPU sees none
         ("redis_url", ["--address", "127.0.0.1:1"]),  # other nodes cannot reach loopback
         ("kv_tls", ["--transport", "ucx", "TLS"]),
     ],
-    ids=["block-size", "max-model-len", "kv-pool", "address-without-redis", "tls-with-ucx"],
+    ids=[
+        "block-size",
+        "max-model-len",
+        "kv-pool",
+        "gpu-memory-utilization",
+        "cuda-without-gpus",
+        "address-without-redis",
+        "tls-with-ucx",
+    ],
 )
 def test_up_rejects_a_bad_configuration_at_once(
     model_dir: Path, tls_flags: list[str], field: str, flags: list[str]
@@ -121,6 +131,31 @@ def test_the_serve_app_builder_runs_the_same_checks(
     monkeypatch.delenv("PDSERVE_REDIS_PASSWORD", raising=False)
     with pytest.raises(ConfigError, match=r"^redis_url: names the environment variable"):
         app_builder({**args, "redis_url": "redis://:${PDSERVE_REDIS_PASSWORD}@h:6379/0"})
+
+
+def test_dummy_weights_need_no_weight_files(model_dir: Path, tmp_path: Path) -> None:
+    """A folder with config.json and tokenizer.json passes the checks and builds the app
+    with load_format "dummy"; the KV settings reach every worker's engine config."""
+    from pdserve.deploy.app import app_builder
+
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (folder / name).write_bytes((model_dir / name).read_bytes())
+    args: dict[str, Any] = {
+        "model": str(folder),
+        "redis_url": "redis://127.0.0.1:1/0",
+        "load_format": "dummy",
+        "gpu_memory_utilization": 0.7,
+    }
+    config = ClusterConfig.from_serve_args(args).preflight()
+    engine = config.engine_config()
+    assert (engine.load_format, engine.gpu_memory_utilization) == ("dummy", 0.7)
+    assert not any("safetensors" in p.name for p in folder.iterdir())
+    app_builder(args)  # the Serve path runs the same checks, and passes
+    # a CUDA worker measures its own pool: no 1 GiB rule against a long context there
+    cuda = ClusterConfig(**{**args, "device": "cuda", "replica_num_gpus": 1, "max_num_seqs": 1})
+    assert cuda.preflight().max_model_len == 256
 
 
 def test_serve_args_read_secrets_from_the_environment(

@@ -482,6 +482,23 @@ def test_pools_are_pinned_to_their_gpu_groups(manifests: list[Doc]) -> None:
     assert len(pool_groups) == len(pools), "the pools share a worker group"
 
 
+def test_the_engine_settings_reach_the_workers(manifests: list[Doc]) -> None:
+    """gpu_memory_utilization and load_format in both Serve configs are ClusterConfig's
+    fields and reach the engine config each worker builds."""
+    (app,) = serve_config(manifests).applications
+    k8s = ClusterConfig.model_validate(app.args)
+    assert k8s.device == "cuda" and k8s.replica_num_gpus == 1  # one GPU: the whole share
+    engine = k8s.engine_config()
+    assert engine.gpu_memory_utilization == app.args["gpu_memory_utilization"] == 0.9
+    assert engine.load_format == app.args["load_format"] == "auto"
+    (local_app,) = yaml.safe_load(SERVE_CONFIG.read_text())["applications"]
+    local = local_app["args"]
+    assert {"gpu_memory_utilization", "load_format"} <= local.keys()
+    engine = ClusterConfig.model_validate(local).engine_config()
+    assert engine.gpu_memory_utilization == local["gpu_memory_utilization"]
+    assert engine.load_format == local["load_format"] == "auto"
+
+
 def test_every_ray_pod_mounts_the_model(manifests: list[Doc]) -> None:
     (app,) = serve_config(manifests).applications
     model = Path(app.args["model"])

@@ -1,0 +1,226 @@
+"""Sizing the KV pool from the device's memory (`EngineConfig.gpu_memory_utilization`).
+
+As vLLM's: on CUDA, with neither `num_kv_blocks` nor `kv_cache_memory_gb`, the engine
+may use `gpu_memory_utilization` x the device's total memory, all of it: the weights, the
+activations and logits of its largest step, what it allocates outside torch (cuBLAS and
+Triton modules, ...) and the KV pool, which gets the rest. So the engine
+
+1. at start, before the model, takes a snapshot of the device (`MemoryReader.snapshot`:
+   torch's cached blocks released first) and checks that its share is free: memory other
+   processes (or other engines of this process) hold is theirs, not part of the share;
+2. loads the model, then runs its largest step for real (`measure_step_peak`): one
+   prefill of `max_num_batched_tokens` tokens (the longest attention), then that budget
+   spread over `max_num_seqs` sequences that all sample (the most logits rows: sampling
+   allocates [rows, vocab] float32 and more), through a `ModelRunner` over a scratch KV
+   cache just large enough, with the sampling options that allocate the most;
+3. reads torch's peak allocation over those steps (less the scratch cache, which the
+   real pool replaces) and a second snapshot: the growth of memory outside torch since
+   the first one is this engine's too;
+4. gives the KV pool `kv_blocks_for_memory(...)` blocks, but never more than
+   `max_num_seqs` sequences of `max_model_len` tokens can use: a block costs host
+   memory and start time in the block pool too, which matters for tiny models.
+
+Replicas sharing a GPU each take their share (`ClusterConfig` defaults it to 0.9 x
+`replica_num_gpus`). Memory taken after sizing (CUDA graphs, KV staging buffers) comes
+out of the remaining 1 - utilization. The arithmetic is pure and the measurement sits
+behind `MemoryReader`, so a CPU test drives the whole path with a fake reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerLimits
+from pdserve.engine.sequence import Sequence
+
+GIB = 1 << 30
+# The sampling path that allocates the most: top_p alone sorts the whole vocabulary, and
+# logprobs add a log_softmax over it.
+_PROFILE_PARAMS = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, logprobs=MAX_LOGPROBS)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One reading of the device, taken with torch's cached (unused) blocks released."""
+
+    total_bytes: int
+    free_bytes: int
+    torch_reserved_bytes: int  # held by this process's torch allocator
+    torch_allocated_bytes: int  # in live tensors of this process
+
+    @property
+    def non_torch_bytes(self) -> int:
+        """In use but not through this process's torch: other processes, CUDA contexts,
+        libraries' own allocations."""
+        return max(self.total_bytes - self.free_bytes - self.torch_reserved_bytes, 0)
+
+
+class MemoryReader(Protocol):
+    """What the sizing reads of the device (`CudaMemoryReader`; tests pass a fake)."""
+
+    def snapshot(self) -> DeviceMemory:
+        """Release torch's cached blocks, then read the device."""
+        ...
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement (at what is allocated now)."""
+        ...
+
+    def peak_allocated(self) -> int:
+        """Torch's peak allocation since `reset_peak`, once the device's work is done."""
+        ...
+
+
+class CudaMemoryReader:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def snapshot(self) -> DeviceMemory:
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return DeviceMemory(
+            total_bytes=total,
+            free_bytes=free,
+            torch_reserved_bytes=torch.cuda.memory_reserved(self.device),
+            torch_allocated_bytes=torch.cuda.memory_allocated(self.device),
+        )
+
+    def reset_peak(self) -> None:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def kv_blocks_for_memory(
+    total_bytes: int,
+    utilization: float,
+    peak_torch_bytes: int,
+    non_torch_bytes: int,
+    block_bytes: int,
+) -> int:
+    """KV blocks that fit in `utilization` x `total_bytes` beside the engine's torch peak
+    (weights + its largest step) and its memory outside torch; 0 when nothing is left."""
+    budget = int(total_bytes * utilization) - peak_torch_bytes - non_torch_bytes
+    return max(budget // block_bytes, 0)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What the engine measured, and the pool it implies (before any cap)."""
+
+    utilization: float
+    total_bytes: int
+    peak_torch_bytes: int  # weights + activations and logits of the largest step
+    non_torch_bytes: int  # this engine's growth outside torch, model load to profile end
+    block_bytes: int
+    step_tokens: int  # the profiled step's token budget
+
+    @property
+    def num_blocks(self) -> int:
+        return kv_blocks_for_memory(
+            self.total_bytes,
+            self.utilization,
+            self.peak_torch_bytes,
+            self.non_torch_bytes,
+            self.block_bytes,
+        )
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def describe(self) -> str:
+        """The numbers, for the log line and for errors."""
+        return (
+            f"gpu_memory_utilization={self.utilization:g} of {self.total_bytes / GIB:.2f} GiB"
+            f" = {self.total_bytes * self.utilization / GIB:.2f} GiB; torch peak"
+            f" {self.peak_torch_bytes / GIB:.2f} GiB (weights + a {self.step_tokens}-token"
+            f" step), {self.non_torch_bytes / GIB:.2f} GiB outside torch; KV"
+            f" {self.kv_bytes / GIB:.2f} GiB = {self.num_blocks} blocks"
+        )
+
+
+def check_share_is_free(start: DeviceMemory, utilization: float) -> str | None:
+    """Why the engine cannot have its share of the device, or None if it can."""
+    wanted = int(start.total_bytes * utilization)
+    if start.free_bytes >= wanted:
+        return None
+    return (
+        f"gpu_memory_utilization={utilization:g} asks for {wanted / GIB:.2f} GiB of the"
+        f" device's {start.total_bytes / GIB:.2f} GiB, but only {start.free_bytes / GIB:.2f}"
+        " GiB are free (other processes, or other engines of this one, hold the rest):"
+        " lower it (replicas sharing one GPU split it, e.g. 0.45 each for two) or set"
+        " num_kv_blocks / kv_cache_memory_gb"
+    )
+
+
+def profile_batches(
+    max_num_seqs: int, max_num_batched_tokens: int, max_len: int
+) -> list[list[int]]:
+    """Prompt lengths of the steps the profile runs: the longest prefill one step takes
+    (its attention), then the token budget spread over as many sequences as can sample
+    in one step (its logits); each prompt shorter than `max_len`."""
+    longest = max(min(max_num_batched_tokens, max_len - 1), 1)
+    num_seqs = min(max_num_seqs, max_num_batched_tokens)
+    if num_seqs == 1:
+        return [[longest]]
+    per_seq, extra = divmod(max_num_batched_tokens, num_seqs)
+    spread = [min(per_seq + (i < extra), longest) for i in range(num_seqs)]
+    return [[longest], spread]
+
+
+def measure_step_peak(
+    make_runner: Callable[[int], ModelRunner],
+    reader: MemoryReader,
+    batches: list[list[int]],
+    block_size: int,
+    max_len: int,
+    vocab_size: int,
+) -> tuple[int, int]:
+    """Run each batch of prompts as one step; return (torch's peak allocation over the
+    steps, the bytes of the scratch KV cache counted in it).
+
+    `make_runner(num_blocks)` builds a runner over a fresh KV cache of that many blocks.
+    """
+    num_blocks = max(sum(cdiv(n, block_size) for n in lengths) for lengths in batches)
+    reader.reset_peak()
+    runner = make_runner(num_blocks)
+    scratch_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    for lengths in batches:
+        _run_step(runner, num_blocks, lengths, block_size, max_len, vocab_size)
+    return reader.peak_allocated(), scratch_bytes
+
+
+def _run_step(
+    runner: ModelRunner,
+    num_blocks: int,
+    lengths: list[int],
+    block_size: int,
+    max_len: int,
+    vocab_size: int,
+) -> None:
+    """One step that prefills (and samples after) every prompt of `lengths` at once,
+    scheduled by a real scheduler over a throwaway block pool."""
+    kv = KVCacheManager(BlockPool(num_blocks, enable_caching=False), block_size)
+    limits = SchedulerLimits(
+        max_num_seqs=len(lengths), max_num_batched_tokens=sum(lengths), max_model_len=max_len
+    )
+    scheduler = Scheduler(kv, limits)
+    for i, n in enumerate(lengths):
+        prompt = [(i + j) % vocab_size for j in range(n)]
+        scheduler.add(Sequence(f"profile-{i}", prompt, _PROFILE_PARAMS, frozenset(), b""))
+    out = scheduler.schedule()
+    if out.num_tokens != sum(lengths):
+        raise RuntimeError(f"the profile step scheduled {out.num_tokens} of {sum(lengths)} tokens")
+    runner.execute(out)
