@@ -228,6 +228,9 @@ class ClusterConfig(BaseModel):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     # CUDA only: every step eagerly, no decode CUDA graphs (EngineConfig.enforce_eager).
     enforce_eager: bool = False
+    # CUDA only: pinned host memory (MiB) prefill workers stage exported KV in before
+    # sending (EngineConfig.kv_staging_mb); a larger payload gets a one-off allocation.
+    kv_staging_mb: int = Field(default=256, ge=0)
     # A step that has decode rows takes only the prefill tokens that keep its measured
     # cost within this (EngineConfig.tpot_target_ms). 100 ms: a GPU step stays far below
     # it, so it binds only where a prompt really would stall the streams (CPU).
@@ -383,6 +386,7 @@ class ClusterConfig(BaseModel):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enforce_eager=self.enforce_eager,
+            kv_staging_mb=self.kv_staging_mb,
             tpot_target_ms=self.tpot_target_ms,
             seed=self.seed,
         )

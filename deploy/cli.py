@@ -121,6 +121,7 @@ def _up(args: argparse.Namespace) -> int:
         load_format=args.load_format,
         tpot_target_ms=args.tpot_target_ms,
         enforce_eager=args.enforce_eager,
+        kv_staging_mb=args.kv_staging_mb,
         stream_hold_above=args.stream_hold_above,
         replica_num_cpus=args.replica_cpus,
         device=args.device,
@@ -330,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager",
         action="store_true",
         help="CUDA only: run every engine step eagerly (no decode CUDA graphs)",
+    )
+    up.add_argument(
+        "--kv-staging-mb",
+        type=int,
+        default=256,
+        help="CUDA: pinned host MiB a prefill worker stages exported KV in",
     )
     up.add_argument(
         "--tpot-target-ms",
