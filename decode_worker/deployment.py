@@ -21,6 +21,11 @@ it), then one `{"type": "output", ...}` per step that produced tokens. When expe
 was not used, the first output item says why in "local_prefill" (a reason of the router's
 `pdserve_decode_local_prefill_total`: "transfer_failed", "kv_late" or what the router
 gave `cancel_kv`).
+
+With tracing on (`cluster/tracing.py`), a request that carries the router's W3C carrier
+(`trace`) is a `pdserve.decode` span with `pdserve.kv.receive` (the wait for its KV),
+`pdserve.decode.queue` (until first scheduled), `pdserve.decode.local_prefill` (when it
+prefilled itself) and `pdserve.decode.stream` (first token to the last) children.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from opentelemetry.trace import Span, SpanKind
+
+from pdserve.cluster import tracing
 from pdserve.cluster.log_once import OncePerCause
 from pdserve.cluster.replica import WorkerReplica, resolve_transfer_host
 from pdserve.decode_worker.channels import Batch, Channel, Channels
@@ -79,6 +87,7 @@ class DecodeServer(WorkerReplica):
         self._awaiting_kv: dict[str, str | None] = {}
         self._log = OncePerCause(logger)
         self.channels = Channels()
+        self.tracer = tracing.tracer("decode")  # None unless OTEL_* variables ask for it
         self.address = await self.worker.start()
         await self.join_index(self.address)
 
@@ -102,12 +111,14 @@ class DecodeServer(WorkerReplica):
         kv_wait_s: float | None = None,
         worker_id: str | None = None,
         target_replica: str | None = None,
+        trace: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """Start a request whose outputs go on channel `channel_id`; return the
         "accepted" item (see the module's docstring), or `{"type": "no_channel"}` when
         that channel is not open on this replica or this is not replica `worker_id`
         (the router then opens another and submits again). Items of the request on the
-        channel: its outputs, or one `{"type": "error"}` if serving it failed."""
+        channel: its outputs, or one `{"type": "error"}` if serving it failed. `trace`:
+        the router's W3C carrier (tracing on), the parent of the request's span."""
         channel = self.channels.get(channel_id)
         if channel is None or (worker_id is not None and worker_id != self.worker_id):
             return {"type": "no_channel", "worker_id": self.worker_id}
@@ -116,7 +127,13 @@ class DecodeServer(WorkerReplica):
         accepted = self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s)
         channel.tasks[request_id] = asyncio.create_task(
             self._run(
-                channel, request_id, prompt_token_ids, params, accepted["kv_expected"], kv_wait_s
+                channel,
+                request_id,
+                prompt_token_ids,
+                params,
+                accepted["kv_expected"],
+                kv_wait_s,
+                trace,
             )
         )
         return accepted
@@ -141,10 +158,11 @@ class DecodeServer(WorkerReplica):
         params: SamplingParams,
         kv_expected: bool,
         kv_wait_s: float | None,
+        trace: dict[str, str] | None = None,
     ) -> None:
         try:
             async for item in self._outputs(
-                request_id, prompt_token_ids, params, kv_expected, kv_wait_s
+                request_id, prompt_token_ids, params, kv_expected, kv_wait_s, trace
             ):
                 channel.put(request_id, item)
         except asyncio.CancelledError:
@@ -164,18 +182,19 @@ class DecodeServer(WorkerReplica):
         kv_expected: bool = False,
         target_replica: str | None = None,
         kv_wait_s: float | None = None,
+        trace: dict[str, str] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """One request as a stream of its own: the "accepted" item, then its outputs.
 
         The router uses channels (`submit`); this is the per-request form of the same
         call (a Serve stream per request, as benchmarks/router_overhead.py measures).
-        `kv_expected`, `kv_wait_s`: as `submit`'s.
+        `kv_expected`, `kv_wait_s`, `trace`: as `submit`'s.
         """
         accepted = self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s)
         try:
             yield accepted
             async for item in self._outputs(
-                request_id, prompt_token_ids, params, accepted["kv_expected"], kv_wait_s
+                request_id, prompt_token_ids, params, accepted["kv_expected"], kv_wait_s, trace
             ):
                 yield item
         finally:
@@ -220,21 +239,106 @@ class DecodeServer(WorkerReplica):
         params: SamplingParams,
         kv_expected: bool,
         kv_wait_s: float | None,
+        trace: dict[str, str] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         info: dict[str, Any] = {}
         first = True
-        async for out in self.worker.generate(
-            request_id, prompt_token_ids, params, kv_expected, info, kv_wait_s
-        ):
-            item = _output_item(out)
-            if first:
-                item.update(_first_item_extras(out, info, self.config.block_size))
-                if kv_expected and not info.get("kv_used"):
-                    item["local_prefill"] = self._local_prefill_reason(request_id, info)
-                first = False
-            if out.finished:
-                await self.flush_events()
-            yield item
+        span: Span | None = None
+        if trace is not None and self.tracer is not None:
+            span = tracing.start(
+                self.tracer,
+                "pdserve.decode",
+                tracing.parent(trace),
+                kind=SpanKind.SERVER,
+                attributes={
+                    "pdserve.request_id": request_id,
+                    "pdserve.decode.worker_id": self.worker_id,
+                    "gen_ai.request.model": self.config.model_id,
+                    "pdserve.prompt_tokens": len(prompt_token_ids),
+                    "pdserve.kv_expected": kv_expected,
+                },
+            )
+        started = time.monotonic()
+        first_item: dict[str, Any] = {}
+        last: dict[str, Any] = {}
+        first_s = started
+        try:
+            async for out in self.worker.generate(
+                request_id, prompt_token_ids, params, kv_expected, info, kv_wait_s
+            ):
+                item = _output_item(out)
+                if first:
+                    item.update(_first_item_extras(out, info, self.config.block_size))
+                    if kv_expected and not info.get("kv_used"):
+                        item["local_prefill"] = self._local_prefill_reason(request_id, info)
+                    first = False
+                    if span is not None:
+                        first_s, first_item = time.monotonic(), item
+                if out.finished:
+                    await self.flush_events()
+                if span is not None:
+                    last = item
+                yield item
+        except (GeneratorExit, asyncio.CancelledError):
+            if span is not None:
+                span.set_attribute("pdserve.cancelled", True)
+            raise
+        except Exception as exc:
+            if span is not None:
+                tracing.fail(span, exc)
+            raise
+        finally:
+            if span is not None:
+                self._trace(span, kv_expected, info, started, first_s, first_item, last)
+
+    def _trace(
+        self,
+        span: Span,
+        kv_expected: bool,
+        info: dict[str, Any],
+        started: float,
+        first_s: float,
+        first_item: dict[str, Any],
+        last: dict[str, Any],
+    ) -> None:
+        """A request's stages as children of its span, from the times `_outputs` kept."""
+        assert self.tracer is not None
+        end = time.monotonic()
+        ready = info.get("ready_s", started)
+        if kv_expected:
+            attrs: dict[str, Any] = {"pdserve.kv.used": bool(info.get("kv_used"))}
+            if "kv_bytes" in info:
+                attrs["pdserve.kv.bytes"] = info["kv_bytes"]
+                attrs["pdserve.kv.blocks"] = info["kv_blocks"]
+            if info.get("kv_error") is not None:
+                attrs["pdserve.kv.error"] = type(info["kv_error"]).__name__
+            tracing.record(self.tracer, "pdserve.kv.receive", span, started, ready, attrs)
+        if first_item:
+            scheduled = min(ready + first_item.get("decode_queue_s", 0.0), first_s)
+            if first_item.get("kv_used"):
+                scheduled = first_s  # the imported request's first token is prefill's
+            tracing.record(self.tracer, "pdserve.decode.queue", span, ready, scheduled)
+            if not first_item.get("kv_used"):
+                tracing.record(
+                    self.tracer, "pdserve.decode.local_prefill", span, scheduled, first_s
+                )
+            span.add_event("first_token", timestamp=tracing.epoch_ns(first_s))
+            stream_attrs: dict[str, Any] = {
+                "gen_ai.usage.output_tokens": last.get("num_output_tokens", 0),
+            }
+            if last.get("finish_reason") is not None:
+                stream_attrs["gen_ai.response.finish_reasons"] = [last["finish_reason"]]
+            tracing.record(self.tracer, "pdserve.decode.stream", span, first_s, end, stream_attrs)
+            span.set_attributes(
+                {
+                    "pdserve.kv.used": bool(first_item.get("kv_used")),
+                    "pdserve.cached_tokens": first_item.get("num_cached_tokens", 0),
+                    **stream_attrs,
+                }
+            )
+            if first_item.get("local_prefill"):
+                span.set_attribute("pdserve.local_prefill_reason", first_item["local_prefill"])
+        span.end()
 
     def _release(self, request_id: str, kv_expected: bool) -> None:
         self._awaiting_kv.pop(request_id, None)
@@ -288,6 +392,7 @@ class DecodeServer(WorkerReplica):
         except Exception:  # shutting down anyway: the rest must still be stopped
             logger.exception("closing the KV receiver failed")
         await self.shutdown()
+        tracing.flush()
 
 
 def _output_item(out: RequestOutput) -> dict[str, Any]:

@@ -75,11 +75,14 @@ class DecodeWorker:
         was admitted), "first_block" (leading blocks taken from this worker's own cache),
         "ready_s" (time.monotonic() when the KV was claimed, or the call began) and, when
         expected KV was not used, "kv_error" (why: the claim's TransferError or the
-        import's KVImportError; the deployment logs and reports it).
+        import's KVImportError; the deployment logs and reports it); "kv_bytes" and
+        "kv_blocks" when KV was received (tracing).
         """
         info = {} if info is None else info
         received = await self._claim(request_id, info, kv_wait_s) if kv_expected else None
         info.update(kv_used=False, first_block=0, ready_s=time.monotonic())
+        if received is not None:
+            info.update(kv_bytes=received.stats.num_bytes, kv_blocks=received.header.num_blocks)
 
         def start(engine: LLMEngine) -> RequestOutput | None:
             if received is not None:

@@ -13,12 +13,20 @@ Each heartbeat also publishes `prefill_tokens_per_s`, the worker's measured pref
 throughput (prompt tokens per busy second; first measured by two warm-up prefills before
 the worker joins the index): with `queued_prefill_tokens` it tells the router how long
 this worker's queue takes to drain (placement, conditional disaggregation, admission).
+
+With tracing on (`cluster/tracing.py`), a call that carries the router's W3C carrier
+(`trace`) is a `pdserve.prefill` span with `pdserve.prefill.queue`,
+`pdserve.prefill.compute` and `pdserve.kv.push` children.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from opentelemetry.trace import Span, SpanKind
+
+from pdserve.cluster import tracing
 from pdserve.cluster.replica import WorkerReplica
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_sender
@@ -41,6 +49,7 @@ class PrefillServer(WorkerReplica):
         )
         # Measured before joining: the router never sees this worker without a rate.
         await self.worker.warm_up(min(cfg.max_num_batched_tokens, 512))
+        self.tracer = tracing.tracer("prefill")  # None unless OTEL_* variables ask for it
         await self.join_index("")
 
     async def prefill(
@@ -51,18 +60,46 @@ class PrefillServer(WorkerReplica):
         decode_address: str,
         first_block: int = 0,
         target_replica: str | None = None,
+        trace: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """Prefill and push to `decode_address`; returns timings and transfer figures.
+
+        `trace`: the router's W3C carrier (tracing on), the parent of this call's spans.
 
         Raises the transfer's typed error (`pdserve.kv_transfer.errors`); the router then
         tells the decode worker to stop waiting and prefill locally.
         """
+        span: Span | None = None
+        if trace is not None and self.tracer is not None:
+            span = tracing.start(
+                self.tracer,
+                "pdserve.prefill",
+                tracing.parent(trace),
+                kind=SpanKind.SERVER,
+                attributes={
+                    "pdserve.request_id": request_id,
+                    "pdserve.prefill.worker_id": self.worker_id,
+                    "gen_ai.request.model": self.config.model_id,
+                    "pdserve.prompt_tokens": len(prompt_token_ids),
+                    "pdserve.kv.first_block": first_block,
+                    "pdserve.kv.transport": self.config.transport,
+                },
+            )
+        arrived = time.monotonic()
         try:
             result = await self.worker.prefill(
                 request_id, prompt_token_ids, params, decode_address, first_block
             )
+            done = time.monotonic()  # the push's end (before the events' flush)
+        except BaseException as exc:
+            if span is not None:
+                tracing.fail(span, exc)
+                span.end()
+            raise
         finally:
             await self.flush_events()
+        if span is not None:
+            self._trace(span, result, arrived, done, decode_address)
         return {
             "worker_id": self.worker_id,
             "first_token": result.first_token,
@@ -75,6 +112,49 @@ class PrefillServer(WorkerReplica):
             "compute_s": result.compute_s,
             "pack_s": result.pack_s,
         }
+
+    def _trace(
+        self, span: Span, result: Any, arrived: float, now: float, decode_address: str
+    ) -> None:
+        """The call's stages as children of its span, from the result's timings."""
+        assert self.tracer is not None
+        scheduled = arrived + result.queue_s
+        computed = scheduled + result.compute_s
+        pushed_from = max(now - result.pack_s - result.transfer.seconds, computed)
+        tracing.record(self.tracer, "pdserve.prefill.queue", span, arrived, scheduled)
+        tracing.record(
+            self.tracer,
+            "pdserve.prefill.compute",
+            span,
+            scheduled,
+            computed,
+            {
+                "pdserve.prompt_tokens": result.num_prompt_tokens,
+                "pdserve.cached_tokens": result.num_cached_tokens,
+            },
+        )
+        tracing.record(
+            self.tracer,
+            "pdserve.kv.push",
+            span,
+            pushed_from,
+            now,
+            {
+                "pdserve.kv.transport": self.config.transport,
+                "pdserve.kv.bytes": result.transfer.num_bytes,
+                "pdserve.kv.blocks": result.num_blocks_sent,
+                "pdserve.kv.pack_s": result.pack_s,
+                "pdserve.decode.address": decode_address,
+            },
+        )
+        span.set_attributes(
+            {
+                "pdserve.cached_tokens": result.num_cached_tokens,
+                "pdserve.kv.bytes": result.transfer.num_bytes,
+                "pdserve.kv.blocks": result.num_blocks_sent,
+            }
+        )
+        span.end()
 
     def _rate(self) -> dict[str, int]:
         rate = self.worker.rate.tokens_per_s
@@ -89,3 +169,4 @@ class PrefillServer(WorkerReplica):
     async def __del__(self) -> None:
         await self.worker.sender.close()
         await self.shutdown()
+        tracing.flush()

@@ -28,10 +28,12 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from pydantic import BaseModel
 from ray import serve
 from redis.exceptions import RedisError
 
+from pdserve.cluster import tracing
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.engine.errors import InvalidRequestError
@@ -150,6 +152,7 @@ class _Request:
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.span: Span | None = None  # the request's span when tracing is on
 
 
 POOL_HEALTH_TIMEOUT_S = 2.0  # per pool, when /health must ask the pools directly
@@ -196,11 +199,16 @@ class Router:
             cfg.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
         )
         index = PrefixIndex(self.redis, cfg.model_id, cfg.worker_lease_s)
-        self.core = RouterCore(cfg, prefill, decode, index)
+        self.tracer = tracing.tracer("router")  # None unless OTEL_* variables ask for it
+        self.core = RouterCore(cfg, prefill, decode, index, self.tracer)
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
         self._api_keys = [key.encode() for key in cfg.api_keys]
         self._inflight = 0  # requests admitted and not yet finished, this replica
         self.core.metrics.inflight.set_function(lambda: self._inflight)
+
+    def __del__(self) -> None:
+        """Serve stops the replica: export the spans still batched (tracing on)."""
+        tracing.flush()
 
     # -- endpoints --------------------------------------------------------------------
 
@@ -267,6 +275,37 @@ class Router:
 
     async def _handle(self, kind: str, request: Request) -> Response:
         arrival = time.monotonic()
+        if self.tracer is None:  # tracing off: no span, no header parsing
+            return await self._handle_request(kind, request, arrival, None)
+        carrier = {h: request.headers[h] for h in tracing.TRACE_HEADERS if h in request.headers}
+        span = tracing.start(
+            self.tracer,
+            f"POST {request.url.path}",
+            tracing.parent(carrier),  # the client's traceparent, if it sent one
+            start_s=arrival,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": "POST",
+                "url.path": request.url.path,
+                "gen_ai.request.model": self.config.model_id,
+            },
+        )
+        try:
+            response = await self._handle_request(kind, request, arrival, span)
+        except BaseException as exc:
+            tracing.fail(span, exc)
+            span.end()
+            raise
+        span.set_attribute("http.response.status_code", response.status_code)
+        if response.status_code >= 500:
+            span.set_status(Status(StatusCode.ERROR, f"HTTP {response.status_code}"))
+        if not isinstance(response, _SlotStreamingResponse):  # a stream ends it when sent
+            span.end()
+        return response
+
+    async def _handle_request(
+        self, kind: str, request: Request, arrival: float, span: Span | None
+    ) -> Response:
         endpoint = "completions" if kind == "completion" else "chat"
         try:
             body = await self._admit(request)  # from here on, this request holds a slot
@@ -282,6 +321,15 @@ class Router:
             self._release()
             self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
+        if span is not None:  # never the prompt's text: ids and counts only
+            r.span = span
+            span.set_attributes(
+                {
+                    "pdserve.request_id": r.id,
+                    "gen_ai.usage.input_tokens": len(r.prompt_ids),
+                    "pdserve.stream": bool(r.req.stream),
+                }
+            )
         return await self._serve(r)
 
     def _parse_completion(self, body: bytes, arrival: float) -> _Request:
@@ -370,7 +418,7 @@ class Router:
     async def _serve(self, r: _Request) -> Response:
         """Serve an admitted request; its in-flight slot is released when it ends."""
         try:  # placed before the response begins: past capacity, a 429 and nothing sent
-            items = await self.core.start(r.id, r.prompt_ids, r.params, r.arrival_s)
+            items = await self.core.start(r.id, r.prompt_ids, r.params, r.arrival_s, r.span)
         except Overloaded as exc:
             self._release()
             endpoint = "completions" if r.kind == "completion" else "chat"
@@ -383,7 +431,7 @@ class Router:
         if r.req.stream:
             return _SlotStreamingResponse(
                 self._stream(r, items),
-                release=self._release,
+                release=self._release if r.span is None else lambda: self._release_traced(r),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
@@ -406,8 +454,10 @@ class Router:
                 finish_reason = item["finish_reason"]
         except UpstreamError as exc:
             self.core.metrics.requests.labels(endpoint, "503").inc()
+            if r.span is not None:
+                tracing.fail(r.span, exc)
             return JSONResponse(_upstream_error_body(exc), status_code=503)
-        self._observe_done(r, len(token_ids))
+        self._observe_done(r, len(token_ids), finish_reason)
         self.core.metrics.requests.labels(endpoint, "200").inc()
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
         if r.kind == "completion":
@@ -440,6 +490,7 @@ class Router:
         include_usage = bool(r.req.stream_options and r.req.stream_options.include_usage)
         num_tokens = 0
         last_token_s: float | None = None
+        finish_reason = None
         try:
             if r.kind == "chat":
                 delta = {"role": "assistant", "content": ""}
@@ -455,7 +506,8 @@ class Router:
                     self.core.metrics.itl.observe(now - last_token_s)
                 last_token_s = now
                 num_tokens += len(item["token_ids"])
-                choice: dict[str, Any] = {"index": 0, "finish_reason": item["finish_reason"]}
+                finish_reason = item["finish_reason"]
+                choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
                 lps = item.get("logprobs")
                 if r.kind == "completion":
                     choice["text"] = item["text"]
@@ -470,20 +522,33 @@ class Router:
                     chunk["prompt_token_ids"] = r.prompt_ids
                 first_chunk = False
                 yield _sse(chunk)
-            self._observe_done(r, num_tokens)
+            self._observe_done(r, num_tokens, finish_reason)
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": self._usage(r, num_tokens)})
             self.core.metrics.requests.labels(endpoint, "200").inc()
         except UpstreamError as exc:
             self.core.metrics.requests.labels(endpoint, "503").inc()
+            if r.span is not None:
+                tracing.fail(r.span, exc)
             yield _sse(_upstream_error_body(exc))
         finally:  # a client that went away cancels the request on the workers now
             await items.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
 
-    def _observe_done(self, r: _Request, num_tokens: int) -> None:
+    def _observe_done(self, r: _Request, num_tokens: int, finish_reason: str | None) -> None:
         self.core.metrics.e2e.observe(time.monotonic() - r.arrival_s)
         self.core.metrics.generation_tokens.inc(num_tokens)
+        if r.span is not None:
+            attrs: dict[str, Any] = {"gen_ai.usage.output_tokens": num_tokens}
+            if finish_reason is not None:
+                attrs["gen_ai.response.finish_reasons"] = [finish_reason]
+            r.span.set_attributes(attrs)
+
+    def _release_traced(self, r: _Request) -> None:
+        """A traced stream is sent (or its client went away): free the slot, end the span."""
+        self._release()
+        if r.span is not None:
+            r.span.end()
 
     def _usage(self, r: _Request, num_tokens: int) -> dict[str, int]:
         n = len(r.prompt_ids)

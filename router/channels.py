@@ -186,12 +186,15 @@ class ChannelStream:
         params: SamplingParams,
         kv_expected: bool,
         kv_wait_s: float | None,
+        trace: dict[str, str] | None = None,
     ) -> None:
         self._channels = channels
         self._request_id = request_id
         self._target = target
         self._args = (prompt_token_ids, params)
-        self._kwargs = {"kv_expected": kv_expected, "kv_wait_s": kv_wait_s}
+        self._kwargs: dict[str, Any] = {"kv_expected": kv_expected, "kv_wait_s": kv_wait_s}
+        if trace is not None:  # tracing on: the W3C carrier of the router's span
+            self._kwargs["trace"] = trace
         self._conn: Connection | None = None
         self._queue: asyncio.Queue[Any] | None = None
         self._finished = False

@@ -35,8 +35,10 @@ from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, NamedTuple
 
+from opentelemetry.trace import Span, SpanKind, Tracer
 from redis.exceptions import RedisError
 
+from pdserve.cluster import tracing
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.log_once import OncePerCause
 from pdserve.cluster.prefix_index import MatchResult, PrefixIndex, WorkerInfo
@@ -134,12 +136,19 @@ class RouterCore:
         prefill: Handle of the prefill deployment (None in colocated mode).
         decode: Handle of the decode deployment.
         index: The prefix index client.
+        tracer: The router's tracer (`cluster/tracing.py`), None when tracing is off.
     """
 
     def __init__(
-        self, config: ClusterConfig, prefill: Any | None, decode: Any, index: PrefixIndex
+        self,
+        config: ClusterConfig,
+        prefill: Any | None,
+        decode: Any,
+        index: PrefixIndex,
+        tracer: Tracer | None = None,
     ) -> None:
         self.config = config
+        self.tracer = tracer
         self.prefill = prefill if config.mode == "disagg" else None
         self.decode = decode
         self.index = index
@@ -269,6 +278,34 @@ class RouterCore:
             route.hold("local", self.inflight_local_tokens, loc.worker_id, loc.uncached_tokens)
         return route
 
+    async def _traced_route(
+        self, span: Span, prompt_ids: list[int], exclude: set[str], attempt: int
+    ) -> Route:
+        """`route`, as a placement span (child of the request's `span`)."""
+        assert self.tracer is not None
+        s = tracing.start(
+            self.tracer, "pdserve.placement", span, attributes={"pdserve.attempt": attempt}
+        )
+        try:
+            route = await self.route(prompt_ids, exclude, resume=attempt > 0)
+        except BaseException as exc:
+            tracing.fail(s, exc)
+            s.end()
+            raise
+        placed, decision = route.placed, route.decision
+        attrs: dict[str, Any] = {"pdserve.placement.indexed": placed.indexed}
+        if placed.prefill is not None:
+            attrs["pdserve.prefill.worker_id"] = placed.prefill.worker_id
+        if placed.decode is not None:
+            attrs["pdserve.decode.worker_id"] = placed.decode.worker_id
+            attrs["pdserve.decode.matched_blocks"] = placed.decode.matched_blocks
+        if decision is not None:
+            attrs["pdserve.disagg.where"] = decision.where
+            attrs["pdserve.disagg.reason"] = decision.reason
+        s.set_attributes(attrs)
+        s.end()
+        return route
+
     def _decide(self, placed: Placed, resume: bool) -> Decision | None:
         if self.prefill is None:
             return None
@@ -284,14 +321,18 @@ class RouterCore:
         prompt_ids: list[int],
         params: SamplingParams,
         arrival_s: float,
+        span: Span | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """`generate`, with the first attempt placed and admitted before this returns.
+
+        `span`: the request's span (tracing on): placement and each attempt are its
+        children, and the workers' spans children of the attempt's.
 
         Raises:
             Overloaded: the request is refused (the HTTP layer answers 429 before any
                 byte of a response); nothing was sent to a worker.
         """
-        items = self._generate(request_id, prompt_ids, params, arrival_s, announce=True)
+        items = self._generate(request_id, prompt_ids, params, arrival_s, True, span)
         try:
             await anext(items)  # the "placed" marker: admitted, queue reserved
         except BaseException:
@@ -305,6 +346,7 @@ class RouterCore:
         prompt_ids: list[int],
         params: SamplingParams,
         arrival_s: float,
+        span: Span | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield the decode worker's output items for one request.
 
@@ -318,7 +360,7 @@ class RouterCore:
                 failed, no first token within `first_token_timeout_s`, or a stall between
                 tokens longer than `stall_timeout_s`). Nothing is left running on workers.
         """
-        async for item in self._generate(request_id, prompt_ids, params, arrival_s, False):
+        async for item in self._generate(request_id, prompt_ids, params, arrival_s, False, span):
             yield item
 
     async def _generate(
@@ -328,6 +370,7 @@ class RouterCore:
         params: SamplingParams,
         arrival_s: float,
         announce: bool,
+        span: Span | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """`generate`; with `announce`, first a `{"type": "placed"}` item once admitted."""
         generated: list[int] = []
@@ -341,7 +384,10 @@ class RouterCore:
             else:
                 attempt_params = params
             attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
-            route = await self.route(prompt_ids + generated, failed, resume=attempt > 0)
+            if span is None:
+                route = await self.route(prompt_ids + generated, failed, resume=attempt > 0)
+            else:
+                route = await self._traced_route(span, prompt_ids + generated, failed, attempt)
             try:
                 if announce and attempt == 0:
                     yield {"type": "placed"}
@@ -352,6 +398,8 @@ class RouterCore:
                     arrival_s,
                     first=not generated,
                     route=route,
+                    span=span,
+                    attempt=attempt,
                 ):
                     generated += item["token_ids"]
                     yield item
@@ -378,8 +426,14 @@ class RouterCore:
         arrival_s: float,
         first: bool,
         route: Route,
+        span: Span | None = None,
+        attempt: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
-        """One dual dispatch of a routed attempt; raises _DecodeFailed if D dies."""
+        """One dual dispatch of a routed attempt; raises _DecodeFailed if D dies.
+
+        With the request's `span` (tracing on), the attempt is a `pdserve.dispatch` span
+        whose W3C carrier goes with the calls to D and P (their spans' parent).
+        """
         p, d = route.placed.prefill, route.placed.decode
         # Why D prefills this attempt itself by the router's own decision (None: it asks
         # for KV; colocated mode counts nothing, every prefill happens on D there).
@@ -392,8 +446,31 @@ class RouterCore:
         inflight_at = d_target
         if inflight_at is not None:
             self.inflight_decode[inflight_at] += 1
+        dispatch: Span | None = None
+        trace: dict[str, str] | None = None
+        if span is not None and self.tracer is not None:
+            dispatch = tracing.start(
+                self.tracer,
+                "pdserve.dispatch",
+                span,
+                kind=SpanKind.CLIENT,
+                attributes={
+                    "pdserve.request_id": request_id,
+                    "pdserve.attempt": attempt,
+                    "pdserve.prompt_tokens": len(prompt_ids),
+                    "pdserve.kv_wanted": want_kv,
+                },
+            )
+            trace = tracing.carrier(dispatch)
         stream = ChannelStream(
-            self.channels, request_id, d_target, prompt_ids, params, want_kv, route.kv_wait_s
+            self.channels,
+            request_id,
+            d_target,
+            prompt_ids,
+            params,
+            want_kv,
+            route.kv_wait_s,
+            trace=trace,
         )
         prefill_task: asyncio.Task[None] | None = None
         finished = False
@@ -429,6 +506,7 @@ class RouterCore:
                         first_block,
                         serving,
                         route,
+                        trace,
                     )
                 )
             else:
@@ -447,6 +525,9 @@ class RouterCore:
                         self._count_local_prefill(request_id, serving, reason)
                 if first:
                     self._record_first(item, arrival_s)
+                    if span is not None:
+                        ttft = time.monotonic() - arrival_s
+                        span.add_event("first_token", {"pdserve.ttft_s": ttft})
                     first = False
                 timeout = self.config.stall_timeout_s
                 finished = item["finished"]
@@ -457,8 +538,18 @@ class RouterCore:
                 yield item
         except _DecodeFailed as exc:
             exc.worker_id = serving
+            if dispatch is not None:
+                tracing.fail(dispatch, exc)
+            raise
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away
+            raise
+        except Exception as exc:
+            if dispatch is not None:
+                tracing.fail(dispatch, exc)
             raise
         finally:
+            if dispatch is not None:
+                self._end_dispatch(dispatch, p, d, serving, local_reason, finished)
             self._untrack_decode(inflight_at)
             if not finished:
                 stream.cancel()
@@ -471,6 +562,27 @@ class RouterCore:
                     logger.error(
                         "%s: prefill task failed", request_id, exc_info=prefill_task.exception()
                     )
+
+    @staticmethod
+    def _end_dispatch(
+        span: Span,
+        p: Choice | None,
+        d: Choice | None,
+        serving: str | None,
+        local_reason: str | None,
+        finished: bool,
+    ) -> None:
+        attrs: dict[str, Any] = {"pdserve.finished": finished}
+        if p is not None:
+            attrs["pdserve.prefill.worker_id"] = p.worker_id
+        if d is not None:
+            attrs["pdserve.decode.chosen_worker_id"] = d.worker_id
+        if serving is not None:
+            attrs["pdserve.decode.worker_id"] = serving
+        if local_reason is not None:
+            attrs["pdserve.local_prefill_reason"] = local_reason
+        span.set_attributes(attrs)
+        span.end()
 
     async def _await_prefill_report(self, request_id: str, task: asyncio.Task[None]) -> None:
         try:
@@ -543,6 +655,7 @@ class RouterCore:
         first_block: int,
         decode_worker: str | None,
         route: Route,
+        trace: dict[str, str] | None = None,
     ) -> None:
         """Run the prefill half of dual dispatch; on failure free D to prefill locally.
 
@@ -551,6 +664,8 @@ class RouterCore:
         The route's reservation of P's queue ends with the call.
         """
         p_target = p.worker_id if p is not None else None
+        # the carrier only when tracing: the workers' signatures stay optional
+        extra = {} if trace is None else {"trace": trace}
         try:
             result = await self.prefill.prefill.remote(  # type: ignore[union-attr]
                 request_id,
@@ -559,6 +674,7 @@ class RouterCore:
                 decode_address,
                 first_block=first_block,
                 target_replica=p_target,
+                **extra,
             )
         except asyncio.CancelledError:
             raise
