@@ -87,6 +87,20 @@ class EngineConfig(BaseModel):
         " larger ones run eagerly.",
     )
     seed: int = 0
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="Ranks the model is sharded over (Megatron-style, engine/parallel.py):"
+        " this process is rank 0 and starts the others as local processes; NCCL on CUDA"
+        " (one GPU each, cuda:i+r), gloo on CPU. The KV pool is sized per rank.",
+    )
+    distributed_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Tensor parallel: how long any collective (and the ranks' start) may"
+        " wait for the other ranks before it raises: a dead or stalled rank fails the"
+        " engine, never hangs it.",
+    )
 
     @model_validator(mode="after")
     def _check_block_size(self) -> EngineConfig:

@@ -20,7 +20,11 @@ class LLM:
 
     Args:
         model: An HF model folder; None or "demo" for the built-in demo model.
-        **config: Fields of `EngineConfig` (block_size, num_kv_blocks, dtype, ...).
+        **config: Fields of `EngineConfig` (block_size, num_kv_blocks, dtype,
+            tensor_parallel_size, ...).
+
+    With `tensor_parallel_size` > 1 the model runs sharded over that many local
+    processes; `close()` (or leaving a `with` block, or the interpreter's exit) stops them.
     """
 
     def __init__(self, model: str | Path | None = None, **config: Any) -> None:
@@ -54,6 +58,16 @@ class LLM:
                 if out.finished:
                     finals[out.request_id] = out
         return [finals[rid] for rid in request_ids]
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if any (also done at exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @staticmethod
     def _params_for(

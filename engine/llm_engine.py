@@ -35,14 +35,23 @@ from pdserve.engine.memory_profile import (
 )
 from pdserve.engine.model import LlamaModel, load_model
 from pdserve.engine.model_config import ModelConfig, load_model_config
-from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
+from pdserve.engine.model_runner import ModelRunner, StepResult, allocate_kv_cache
 from pdserve.engine.outputs import RequestOutput, TextTracker, make_output
+from pdserve.engine.parallel import (
+    CollectiveTimes,
+    ParallelStats,
+    RankMemory,
+    TensorParallelError,
+    TPShard,
+    check_tensor_parallel,
+)
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, TokenLogprobs
 from pdserve.engine.step_cost import StepCostModel
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tp_worker import TPWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -103,23 +112,51 @@ class LLMEngine:
         self.model_id = config.model_id or self.model_dir.name
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
+        tp = config.tensor_parallel_size
+        check_tensor_parallel(self.model_config, tp)
+        # Tensor parallel: this process is rank 0 (the driver) and holds shard 0.
+        self._shard = TPShard(self.model_config, 0, tp) if tp > 1 else None
+        self.tp_workers: TPWorkers | None = None
         # With neither num_kv_blocks nor kv_cache_memory_gb, a CUDA engine sizes its KV
         # pool from what the loaded model leaves of gpu_memory_utilization.
         self.memory_profile: MemoryProfile | None = None
         reader = self._kv_memory_reader(memory_reader)
+        if tp > 1 and reader is not None:
+            raise ValueError(
+                "tensor_parallel_size > 1 sizes the KV pool from num_kv_blocks or"
+                " kv_cache_memory_gb (per rank), not by measuring the device: set one"
+            )
         start = None if reader is None else self._memory_at_start(reader)
         self.max_model_len = self._context_len()
         if start is None:  # a configured pool: a too small one fails before the weights load
             self.max_model_len, self.num_kv_blocks = self._size_kv_pool()
-        self.model: LlamaModel = load_model(
-            self.model_dir,
-            self.model_config,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            config.load_format,
-            config.seed,
-        )
+        if tp > 1:  # the other ranks load their shards while this one loads its own
+            dtype_name = next(k for k, v in _DTYPES.items() if v == self.dtype)
+            self.tp_workers = TPWorkers(
+                self.model_dir,
+                config,
+                dtype_name,
+                self.max_model_len,
+                self.num_kv_blocks,
+                self.device,
+            )
+        try:
+            self.model: LlamaModel = load_model(
+                self.model_dir,
+                self.model_config,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                config.load_format,
+                config.seed,
+                self._shard,
+            )
+            if self.tp_workers is not None:
+                self.model.tp = self.tp_workers.group
+                self.tp_workers.wait_ready()
+        except BaseException:
+            self.close()
+            raise
         if reader is not None and start is not None:
             self.max_model_len, self.num_kv_blocks = self._measure_kv_pool(reader, start)
         self.block_pool = BlockPool(
@@ -149,6 +186,7 @@ class LLMEngine:
             make_attention_backend(config.attention_backend, self.device, self.model.dtype),
             Sampler(config.seed, self.device),
             self.device,
+            self.tp_workers,
         )
         self.kv_staging = KVStaging(self.runner.kv_cache, config.kv_staging_mb << 20)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
@@ -158,7 +196,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished prefills keeping their blocks
         self._trackers: dict[str, TextTracker] = {}
-        if cuda_graphs_enabled(config.enforce_eager, self.device, self.runner.backend):
+        # NOTE: tensor parallel runs eagerly (no collectives inside captured graphs yet).
+        if tp == 1 and cuda_graphs_enabled(config.enforce_eager, self.device, self.runner.backend):
             # Decode steps as CUDA graphs, captured once the KV cache is final.
             start_s = time.perf_counter()
             self.runner.capture_cuda_graphs(
@@ -177,7 +216,11 @@ class LLMEngine:
         return max_len
 
     def _block_bytes(self) -> int:
+        """One KV block's bytes (on each rank: its KV heads' share)."""
         mc = self.model_config
+        if self._shard is not None:
+            per_head = mc.kv_bytes_per_token // mc.num_kv_heads * self._shard.num_kv_heads
+            return self.config.block_size * per_head * _itemsize(self.dtype) // 4
         return self.config.block_size * mc.kv_bytes_per_token * _itemsize(self.dtype) // 4
 
     def _size_kv_pool(self) -> tuple[int, int]:
@@ -319,6 +362,7 @@ class LLMEngine:
         KVImportError (nothing held) when the KV cannot be used: the caller then
         prefills the request locally instead.
         """
+        self._refuse_tensor_parallel("importing KV")
         _check_first_logprobs(first_token, params, first_logprobs)
         seq = self._new_sequence(request_id, prompt_token_ids, params, None)
         import_prefilled(
@@ -339,10 +383,17 @@ class LLMEngine:
         On CUDA its copy to host may still run: `wait()` for it off the event loop, and
         `release()` the export once its payload is sent (engine/kv_staging.py).
         """
+        self._refuse_tensor_parallel("exporting KV")
         seq = self._held.get(request_id)
         if seq is None:
             raise InvalidRequestError(f"request {request_id!r} holds no KV here")
         return export_kv(seq, self.kv_staging, self.config.block_size, first_block)
+
+    def _refuse_tensor_parallel(self, what: str) -> None:
+        # NOTE: each rank holds its KV heads' slice of a block; a handoff would have to
+        # gather and scatter them. Until then the worker roles run with one rank.
+        if self.tp_workers is not None:
+            raise TensorParallelError(f"{what} is not implemented with tensor_parallel_size > 1")
 
     def release_kv(self, request_id: str) -> None:
         """Prefill role: drop a held request's blocks (they stay in the prefix cache)."""
@@ -451,7 +502,10 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        result = self.runner.execute(sched_out)
+        if self.tp_workers is None:
+            result = self.runner.execute(sched_out)
+        else:
+            result = self._execute_parallel(sched_out)
         if self.step_cost is not None and not result.sampled and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for request_id, logprobs in result.logprobs.items():
@@ -461,6 +515,49 @@ class LLMEngine:
         if self.step_cost is not None:
             self.step_cost.observe(sched_out.shape(), self.clock() - start_s)
         return outputs
+
+    def _execute_parallel(self, sched_out: SchedulerOutput) -> StepResult:
+        """`runner.execute` with other ranks: a failure (a rank gone, or a collective past
+        distributed_timeout_s) stops the group and fails this and every later step."""
+        workers = self.tp_workers
+        assert workers is not None
+        try:
+            return self.runner.execute(sched_out)
+        except Exception as exc:
+            if workers.failure is None:
+                workers.failure = exc
+                logger.error("tensor-parallel step failed; killing the other ranks: %s", exc)
+                workers.kill()
+            if isinstance(exc, TensorParallelError):
+                raise
+            raise TensorParallelError(
+                f"a tensor-parallel step failed (a rank died, or a collective waited past"
+                f" distributed_timeout_s={self.config.distributed_timeout_s:g} s): {exc}"
+            ) from exc
+
+    def parallel_stats(self) -> ParallelStats:
+        """Per-rank weight and KV bytes, and the driver's time in collectives."""
+        sharded, replicated = self.model.weight_bytes()
+        kv = self.runner.kv_cache
+        driver = RankMemory(
+            0, sharded + replicated, sharded, replicated, kv.numel() * kv.element_size()
+        )
+        workers = self.tp_workers
+        times = workers.group.times() if workers is not None else CollectiveTimes()
+        return ParallelStats(
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            ranks=[driver, *(workers.ranks if workers is not None else [])],
+            steps=times.steps,
+            all_reduce_s=times.all_reduce_s,
+            all_reduces=times.all_reduces,
+            broadcast_s=times.broadcast_s,
+            gather_s=times.gather_s,
+        )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do with one rank). Idempotent."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
 
     def _outputs(
         self, sched_out: SchedulerOutput, sampled: dict[str, int], finished: list[Sequence]

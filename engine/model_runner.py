@@ -8,6 +8,7 @@ call for the sequences whose step completes their tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import TokenLogprobs
 
+if TYPE_CHECKING:
+    from pdserve.engine.tp_worker import TPWorkers
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -36,9 +40,10 @@ class StepResult:
 def allocate_kv_cache(
     model: LlamaModel, num_blocks: int, block_size: int, device: torch.device
 ) -> torch.Tensor:
-    """All layers' KV cache as one tensor [layers, 2, blocks, kv_heads, block_size, D]."""
+    """All layers' KV cache as one tensor [layers, 2, blocks, kv_heads, block_size, D]
+    (tensor parallel: this rank's KV heads)."""
     cfg = model.config
-    shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+    shape = (cfg.num_layers, 2, num_blocks, model.num_kv_heads, block_size, cfg.head_dim)
     return torch.zeros(shape, dtype=model.dtype, device=device)
 
 
@@ -55,6 +60,7 @@ class ModelRunner:
         backend: AttentionBackend,
         sampler: Sampler,
         device: torch.device,
+        tp_workers: TPWorkers | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [layers, 2, blocks, KVH, bs, D]: what a transfer packs
@@ -67,6 +73,8 @@ class ModelRunner:
         model.ops = ops_for(backend)
         # Decode-only steps as CUDA graphs, once `capture_cuda_graphs` has run.
         self.graphs: CudaGraphRunner | None = None
+        # Tensor parallel (driver): the other ranks, sent each step's inputs.
+        self.tp_workers = tp_workers
 
     def capture_cuda_graphs(
         self, max_batch_size: int, max_model_len: int, use_cuda_graph: bool = True
@@ -98,12 +106,30 @@ class ModelRunner:
             if graphs.fits(len(out.decodes), max_context_len):
                 return self._execute_graph(graphs, out)
         input_ids, positions, meta, sample_rows, sample_items = self._prepare(out)
+        if self.tp_workers is not None:
+            self.tp_workers.send_step(input_ids, positions, meta, sample_rows)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, self.backend, meta)
         if not sample_items:
             return StepResult({}, {})
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))  # [N, vocab] float32
         return self._sample(logits, sample_items)
+
+    @torch.inference_mode()
+    def execute_shard(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        sample_rows: torch.Tensor,
+    ) -> None:
+        """A tensor-parallel worker's part of a step the driver broadcast
+        (`parallel.unpack_step`): the forward on this shard, joining its all-reduces, and
+        this shard's logits of the rows that sample, sent to the driver."""
+        meta.prefill_batch = self._prefill_batch(meta.prefills)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, self.backend, meta)
+        if sample_rows.numel():
+            self.model.logits(hidden.index_select(0, sample_rows))
 
     def _execute_graph(self, graphs: CudaGraphRunner, out: SchedulerOutput) -> StepResult:
         """A decode-only step through the graph runner's padded static buffers."""
