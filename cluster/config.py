@@ -200,6 +200,13 @@ class ClusterConfig(BaseModel):
     prefill_cpus: str | None = None
     decode_cpus: str | None = None
     replica_num_gpus: float = Field(default=0.0, ge=0)
+    # Node pools: Ray custom resources each replica of a pool asks for, so that its
+    # replicas land only on nodes started with them (`ray start --resources
+    # '{"prefill_pool": 8}'`): prefill on compute-sized nodes, decode on bandwidth-sized
+    # ones, routers next to the load balancer. Empty: any node.
+    prefill_resources: dict[str, float] = Field(default_factory=dict)
+    decode_resources: dict[str, float] = Field(default_factory=dict)
+    router_resources: dict[str, float] = Field(default_factory=dict)
 
     # redis://[:PASSWORD@]HOST:PORT/DB (a password is never printed; see redact_url).
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)

@@ -59,34 +59,43 @@ def build_app(config: ClusterConfig) -> Application:
     # workers: no runtime_env then, which would start every replica in a fresh worker.
     env_set = all(os.environ.get(name) == value for name, value in SERVE_ENV.items())
     runtime_env: dict[str, Any] = {} if env_set else {"env_vars": dict(SERVE_ENV)}
-    worker_options: dict[str, Any] = {
-        "ray_actor_options": {
+
+    def worker_options(resources: dict[str, float]) -> dict[str, Any]:
+        actor: dict[str, Any] = {
             "num_cpus": cfg.replica_num_cpus,
             "num_gpus": cfg.replica_num_gpus,
             "runtime_env": runtime_env,
-        },
-        "request_router_config": _TARGETED,
-        # The engine batches internally: many concurrent requests per replica.
-        "max_ongoing_requests": max(cfg.max_num_seqs, 16),
-        "health_check_period_s": 5.0,
-        "graceful_shutdown_timeout_s": 30.0,
-    }
+        }
+        if resources:  # a node pool: only nodes started with these custom resources
+            actor["resources"] = dict(resources)
+        return {
+            "ray_actor_options": actor,
+            "request_router_config": _TARGETED,
+            # The engine batches internally: many concurrent requests per replica.
+            "max_ongoing_requests": max(cfg.max_num_seqs, 16),
+            "health_check_period_s": 5.0,
+            "graceful_shutdown_timeout_s": 30.0,
+        }
+
     decode = cast(Deployment, serve.deployment(DecodeServer)).options(
         name="Decode",
         **_replicas("decode", cfg.decode_replicas, cfg.decode_autoscaling),
-        **worker_options,
+        **worker_options(cfg.decode_resources),
     )
     prefill_app = None
     if cfg.mode == "disagg":
         prefill = cast(Deployment, serve.deployment(PrefillServer)).options(
             name="Prefill",
             **_replicas("prefill", cfg.prefill_replicas, cfg.prefill_autoscaling),
-            **worker_options,
+            **worker_options(cfg.prefill_resources),
         )
         prefill_app = prefill.bind(args)
+    router_actor: dict[str, Any] = {"num_cpus": 0, "runtime_env": runtime_env}
+    if cfg.router_resources:
+        router_actor["resources"] = dict(cfg.router_resources)
     router = cast(Deployment, Router).options(
         num_replicas=cfg.router_replicas,
-        ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env},
+        ray_actor_options=router_actor,
         max_ongoing_requests=4096,
     )
     return router.bind(args, prefill_app, decode.bind(args))

@@ -125,6 +125,9 @@ def _up(args: argparse.Namespace) -> int:
         stream_hold_above=args.stream_hold_above,
         replica_num_cpus=args.replica_cpus,
         device=args.device,
+        prefill_resources=_json_arg(args.prefill_resources) or {},
+        decode_resources=_json_arg(args.decode_resources) or {},
+        router_resources=_json_arg(args.router_resources) or {},
         replica_num_gpus=args.replica_gpus,
         worker_lease_s=args.worker_lease_s,
         heartbeat_s=args.heartbeat_s,
@@ -416,6 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-cpus", default=None, help="pin decode replicas to these CPUs")
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")
     up.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' for the workers")
+    for pool in ("prefill", "decode", "router"):
+        up.add_argument(
+            f"--{pool}-resources",
+            default=None,
+            metavar="JSON",
+            help=f"Ray custom resources each {pool} replica needs, e.g. "
+            f"'{{\"{pool}_pool\": 1}}': its replicas go only to nodes that have them",
+        )
     up.add_argument(
         "--replica-gpus",
         type=float,
