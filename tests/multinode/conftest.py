@@ -1,185 +1,20 @@
-"""Several network hosts on one machine: Linux network namespaces joined by a bridge.
+"""Multi-node tests: network namespaces as hosts (`pdserve.benchmarks.netns`).
 
-`Topology` makes one namespace per node, each with its own address in a private test
-range (10.213.X.0/24, X from the test process's pid, so two runs never share one), joined
-by veth pairs to a bridge that lives in a namespace of its own; the test process itself
-gets one more veth onto that bridge, so its client reaches the head node as a load
-balancer would. Only these addresses are ever targets. `tc netem` can shape each node's
-link. Everything is removed on teardown, failures included: every process left in a
-namespace is killed, then the namespaces (and with them the veths and the bridge) go.
-
-Needs root (CI runs as root) and `ip`; elsewhere the tests skip with that reason.
+Need root (CI runs as root) and iproute2; elsewhere they skip with that reason.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import signal
-import subprocess
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 import pytest
 
-NEEDS = "needs root and iproute2 (network namespaces)"
-
-
-def can_make_namespaces() -> bool:
-    return os.geteuid() == 0 and shutil.which("ip") is not None
-
-
-def _run(*argv: str) -> str:
-    return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30).stdout
-
-
-@dataclass
-class Node:
-    name: str  # the namespace
-    address: str
-    veth: str  # its end of the link, inside the namespace
-
-    def exec_argv(self, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.name, *argv]
-
-    def rx_tx_bytes(self) -> tuple[int, int]:
-        """Bytes received and sent on the node's link (the interface's counters)."""
-        base = f"/sys/class/net/{self.veth}/statistics"
-        out = _run("ip", "netns", "exec", self.name, "cat", f"{base}/rx_bytes", f"{base}/tx_bytes")
-        rx, tx = (int(v) for v in out.split())
-        return rx, tx
-
-
-@dataclass
-class Topology:
-    prefix: str
-    subnet: str  # "10.213.X"
-    nodes: list[Node] = field(default_factory=list)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    host_veth: str = ""
-
-    @property
-    def switch(self) -> str:
-        return f"{self.prefix}sw"
-
-    def build(self, num_nodes: int) -> None:
-        _run("ip", "netns", "add", self.switch)
-        _run("ip", "netns", "exec", self.switch, "ip", "link", "add", "br0", "type", "bridge")
-        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "up")
-        for i in range(num_nodes):
-            name = f"{self.prefix}n{i}"
-            _run("ip", "netns", "add", name)
-            node = Node(name, f"{self.subnet}.{i + 1}", f"v{self.prefix}{i}")
-            self._link(node.veth, name, f"b{self.prefix}{i}")
-            _run(
-                "ip",
-                "netns",
-                "exec",
-                name,
-                "ip",
-                "addr",
-                "add",
-                f"{node.address}/24",
-                "dev",
-                node.veth,
-            )
-            _run("ip", "netns", "exec", name, "ip", "link", "set", node.veth, "up")
-            _run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
-            self.nodes.append(node)
-        # the test process's own link (root namespace): the client side
-        self.host_veth = f"h{self.prefix}"
-        peer = f"b{self.prefix}h"
-        _run("ip", "link", "add", self.host_veth, "type", "veth", "peer", "name", peer)
-        _run("ip", "link", "set", peer, "netns", self.switch)
-        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", peer, "master", "br0")
-        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", peer, "up")
-        _run("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.host_veth)
-        _run("ip", "link", "set", self.host_veth, "up")
-
-    def _link(self, veth: str, namespace: str, bridge_end: str) -> None:
-        _run(
-            "ip", "link", "add", veth, "netns", namespace,
-            "type", "veth", "peer", "name", bridge_end, "netns", self.switch,
-        )  # fmt: skip
-        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", bridge_end, "master", "br0")
-        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", bridge_end, "up")
-
-    def shape(self, node: Node, rate: str, delay: str) -> None:
-        """`tc netem` on the node's link: its egress gets `rate` and `delay`."""
-        _run(
-            "ip", "netns", "exec", node.name, "tc", "qdisc", "replace", "dev", node.veth,
-            "root", "netem", "rate", rate, "delay", delay,
-        )  # fmt: skip
-
-    def spawn(
-        self, node: Node, argv: list[str], env: dict[str, str], log: Path
-    ) -> subprocess.Popen[bytes]:
-        """Start `argv` inside the node's namespace, its own session, output to `log`."""
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                node.exec_argv(argv),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        self.procs.append(proc)
-        return proc
-
-    def scratch(self, name: str) -> Path:
-        """A short-pathed directory of this topology's, removed on teardown."""
-        path = Path(f"/tmp/{self.prefix}") / name
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-
-    def namespace_pids(self) -> list[int]:
-        pids: list[int] = []
-        for name in [n.name for n in self.nodes] + [self.switch]:
-            with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
-                pids += [int(p) for p in _run("ip", "netns", "pids", name).split()]
-        return pids
-
-    def teardown(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        # Ray daemonizes some of its processes out of our sessions: whatever still runs
-        # inside a namespace is ours and goes too.
-        deadline = time.monotonic() + 20
-        while (pids := self.namespace_pids()) and time.monotonic() < deadline:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.2)  # poll until the kernel has reaped them (bounded above)
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
-            _run("ip", "link", "del", self.host_veth)
-        for name in [n.name for n in self.nodes] + [self.switch]:
-            with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
-                _run("ip", "netns", "del", name)
-        shutil.rmtree(f"/tmp/{self.prefix}", ignore_errors=True)
-
-
-@contextlib.contextmanager
-def topology(num_nodes: int) -> Iterator[Topology]:
-    pid = os.getpid()
-    topo = Topology(prefix=f"pd{pid % 100000}", subnet=f"10.213.{20 + pid % 200}")
-    try:
-        topo.build(num_nodes)
-        yield topo
-    finally:
-        topo.teardown()
-        left = [line for line in _run("ip", "netns", "list").splitlines() if topo.prefix in line]
-        assert not left, f"namespaces left behind: {left}"
+from pdserve.benchmarks.netns import NEEDS, can_make_namespaces, topology
 
 
 @pytest.fixture
-def make_topology() -> type[contextlib.AbstractContextManager[Topology]]:
+def make_topology() -> Any:
+    """`with make_topology(n) as topo:` n nodes, all removed afterwards."""
     if not can_make_namespaces():
         pytest.skip(NEEDS)
-    return topology  # type: ignore[return-value]
+    return topology

