@@ -6,9 +6,10 @@ link benchmark).
 range (10.213.X.0/24, X from the test process's pid, so two runs never share one), joined
 by veth pairs to a bridge that lives in a namespace of its own; the test process itself
 gets one more veth onto that bridge, so its client reaches the head node as a load
-balancer would. Only these addresses are ever targets. `tc netem` can shape each node's
-link. Everything is removed on teardown, failures included: every process left in a
-namespace is killed, then the namespaces (and with them the veths and the bridge) go.
+balancer would. Only these addresses are ever targets. `tc netem` (or `tbf` where the
+kernel lacks netem) can shape each node's link. Everything is removed on teardown,
+failures included: every process left in a namespace is killed, then the namespaces (and
+with them the veths and the bridge) go.
 
 Needs root and `ip` (`can_make_namespaces`).
 
@@ -124,12 +125,20 @@ class Topology:
         _run("ip", "netns", "exec", self.switch, "ip", "link", "set", bridge_end, "master", "br0")
         _run("ip", "netns", "exec", self.switch, "ip", "link", "set", bridge_end, "up")
 
-    def shape(self, node: Node, rate: str, delay: str) -> None:
-        """`tc netem` on the node's link: its egress gets `rate` and `delay`."""
-        _run(
-            "ip", "netns", "exec", node.name, "tc", "qdisc", "replace", "dev", node.veth,
-            "root", "netem", "rate", rate, "delay", delay,
-        )  # fmt: skip
+    def shape(self, node: Node, rate: str, delay: str) -> bool:
+        """Shape the node's link (its egress): `tc netem` with `rate` and `delay`.
+
+        Returns whether the delay was applied: a kernel without `sch_netem` (some
+        container hosts) gets the rate alone, from a token bucket (`tbf`).
+        """
+        tc = ["ip", "netns", "exec", node.name, "tc", "qdisc", "replace", "dev", node.veth]
+        try:
+            _run(*tc, "root", "netem", "rate", rate, "delay", delay)
+            return True
+        except subprocess.CalledProcessError:
+            # burst: enough for a line-rate TCP window at this rate; latency: queue bound
+            _run(*tc, "root", "tbf", "rate", rate, "burst", "4mb", "latency", "50ms")
+            return False
 
     def spawn(
         self, node: Node, argv: list[str], env: dict[str, str], log: Path
