@@ -125,6 +125,13 @@ class Topology:
         _run("ip", "netns", "exec", self.switch, "ip", "link", "set", bridge_end, "master", "br0")
         _run("ip", "netns", "exec", self.switch, "ip", "link", "set", bridge_end, "up")
 
+    def cut(self, node: Node) -> None:
+        """Partition the node: its link goes down, its processes keep running."""
+        _run("ip", "netns", "exec", node.name, "ip", "link", "set", node.veth, "down")
+
+    def heal(self, node: Node) -> None:
+        _run("ip", "netns", "exec", node.name, "ip", "link", "set", node.veth, "up")
+
     def shape(self, node: Node, rate: str, delay: str) -> bool:
         """Shape the node's link (its egress): `tc netem` with `rate` and `delay`.
 
@@ -195,11 +202,20 @@ class Topology:
 def topology(num_nodes: int) -> Iterator[Topology]:
     pid = os.getpid()
     topo = Topology(prefix=f"pd{pid % 100000}", subnet=f"10.213.{20 + pid % 200}")
+    # `ray start --head` records its address for later `ray.init()` calls to join; the
+    # nodes here keep theirs in their own --temp-dir, never in the machine-wide file
+    # (a dead address there makes every later `ray.init()` fail to connect).
+    address_file = Path("/tmp/ray/ray_current_cluster")
+    before = address_file.read_text() if address_file.exists() else None
     try:
         topo.build(num_nodes)
         yield topo
     finally:
         topo.teardown()
+        after = address_file.read_text() if address_file.exists() else None
+        if after != before and after is not None and topo.subnet in after:
+            address_file.unlink()
+            raise RuntimeError(f"a namespace Ray node wrote {address_file}; removed it")
         left = [line for line in _run("ip", "netns", "list").splitlines() if topo.prefix in line]
         if left:
             raise RuntimeError(f"namespaces left behind: {left}")
@@ -290,10 +306,14 @@ def start_cluster(
     pools: list[str],
     scratch: Path,
     extra_flags: list[str] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> str:
     """Redis, Ray on every node (node i in pool `pools[i]`: "router", "prefill" or
-    "decode"), then `pdserve up` on the head; return the router's URL once ready."""
-    env = node_env(secrets.token_hex(32))
+    "decode"), then `pdserve up` on the head; return the router's URL once ready.
+
+    `extra_env`: more environment for every process (e.g. Ray's `RAY_health_check_*`).
+    """
+    env = {**node_env(secrets.token_hex(32)), **(extra_env or {})}
     redis_url = start_redis(topo, env, scratch)
     for node, pool in zip(topo.nodes, pools, strict=True):
         num_cpus = 0 if pool == "router" else 1

@@ -334,7 +334,7 @@ def running_cluster(args: argparse.Namespace) -> Iterator[tuple[str, ClusterConf
         config = ClusterConfig(model=str(model_dir), mode="colocated", redis_url=redis.url)
         config = config.resolved()
         env = serve_env()  # before ray.init: the local cluster's processes inherit it
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
         stack.callback(ray.shutdown)
         stack.callback(serve.shutdown)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this process's Serve client

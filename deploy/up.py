@@ -153,6 +153,10 @@ def run_up(
             apply_serve_env(os.environ)  # the local cluster's processes inherit it
             needed = int(replicas * config.replica_num_cpus) + 1
             ray.init(
+                # "local": a cluster of our own even where an earlier `ray start` left its
+                # address in /tmp/ray/ray_current_cluster (ray.init() would join that one,
+                # or fail to when it is gone)
+                address="local",
                 include_dashboard=False,
                 num_cpus=max(os.cpu_count() or 1, needed),
                 logging_level=logging.WARNING,

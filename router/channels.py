@@ -19,7 +19,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -45,6 +47,8 @@ class Connection:
         self.alive = True
         self.accepting = True  # new requests may be submitted on it
         self.reader: asyncio.Task[None] | None = None
+        self.last_message_s = time.monotonic()
+        self.broken_because: str | None = None  # set when the router gives up on it
 
 
 class DecodeChannels:
@@ -55,9 +59,20 @@ class DecodeChannels:
         open_timeout_s: How long opening a channel may take (its first message).
     """
 
-    def __init__(self, decode: Any, open_timeout_s: float) -> None:
+    def __init__(
+        self,
+        decode: Any,
+        open_timeout_s: float,
+        live_ids: Callable[[], Awaitable[set[str] | None]] | None = None,
+        check_s: float = 1.0,
+    ) -> None:
         self.decode = decode
         self.open_timeout_s = open_timeout_s
+        # The decode workers the prefix index holds live (None: it cannot tell), asked
+        # every `check_s` while channels are open (see `_watch`).
+        self._live_ids = live_ids
+        self._check_s = check_s
+        self._watcher: asyncio.Task[None] | None = None
         self._prefix = f"router-{uuid.uuid4().hex[:12]}"
         self._ids = itertools.count()
         self._conns: dict[str, Connection] = {}
@@ -110,13 +125,55 @@ class DecodeChannels:
         conn = Connection(channel_id, worker_id, stream)
         self._conns[worker_id] = conn
         conn.reader = asyncio.create_task(self._read(conn))
+        if self._live_ids is not None and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.create_task(self._watch())
         return conn
+
+    async def _watch(self) -> None:
+        """Give up on channels to decode workers that left the index and went silent.
+
+        A decode node cut off from the network keeps its processes: its channel neither
+        delivers nor breaks (no reset crosses a cut link), and Ray's node-failure
+        detection does not end a stream already open. The worker's lease in the index
+        lapses instead (it cannot renew it), so a channel whose worker is no longer live
+        there, with requests waiting and nothing received for a check period, is broken
+        here: its requests fail with ChannelError and resume elsewhere. A worker that only
+        lost Redis keeps streaming, and so keeps its channel. Runs while channels are
+        open; an index that cannot answer (None) breaks nothing.
+        """
+        assert self._live_ids is not None
+        while self._conns:
+            await asyncio.sleep(self._check_s)
+            try:
+                live = await self._live_ids()
+            except Exception as exc:  # the index is down: no verdict
+                logger.debug("channel watch: index unavailable (%r)", exc)
+                continue
+            if live is None:
+                continue
+            now = time.monotonic()
+            for conn in list(self._conns.values()):
+                silent_s = now - conn.last_message_s
+                if conn.worker_id in live or not conn.queues or silent_s < self._check_s:
+                    continue
+                logger.warning(
+                    "decode worker %s left the index and sent nothing for %.1f s: "
+                    "its %d requests resume elsewhere",
+                    conn.worker_id,
+                    silent_s,
+                    len(conn.queues),
+                )
+                conn.broken_because = "the decode worker left the index (its lease lapsed)"
+                if conn.reader is not None:
+                    conn.reader.cancel()
+                conn.stream.cancel()
 
     async def _read(self, conn: Connection) -> None:
         why = "the decode worker closed the channel"
         try:
             while True:
                 batch = await conn.stream.__anext__()
+                conn.last_message_s = time.monotonic()
                 for request_id, item in batch:
                     queue = conn.queues.get(request_id)
                     if queue is not None:  # None: the request was cancelled here
@@ -124,8 +181,9 @@ class DecodeChannels:
         except StopAsyncIteration:
             pass
         except asyncio.CancelledError:
-            why = "the router closed the channel"
-            raise
+            why = conn.broken_because or "the router closed the channel"
+            if conn.broken_because is None:
+                raise
         except Exception as exc:  # a dead replica: Ray's error types
             why = f"the decode worker failed: {type(exc).__name__}"
             logger.warning("channel to decode worker %s broke: %r", conn.worker_id, exc)
@@ -166,6 +224,8 @@ class DecodeChannels:
         task.add_done_callback(self._background.discard)
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         for conn in list(self._conns.values()):
             if conn.reader is not None:
                 conn.reader.cancel()

@@ -162,12 +162,21 @@ class RouterCore:
         self.inflight_decode: Counter[str] = Counter()
         self.rates = RateBook()
         # one token channel per decode replica in use (channels.py)
-        self.channels = DecodeChannels(decode, config.first_token_timeout_s)
+        self.channels = DecodeChannels(
+            decode, config.first_token_timeout_s, self._live_decode_ids, config.heartbeat_s
+        )
         self.index_available = True
         self._log = OncePerCause(logger)
 
     async def live_workers(self) -> list[WorkerInfo]:
         return await asyncio.wait_for(self.index.live_workers(), _INDEX_TIMEOUT_S)
+
+    async def _live_decode_ids(self) -> set[str] | None:
+        """Decode workers the index holds live; None when it cannot say (Redis down)."""
+        try:
+            return {w.worker_id for w in await self.live_workers() if w.role == "decode"}
+        except (RedisError, OSError, TimeoutError):
+            return None
 
     async def worker_states(self, workers: list[WorkerInfo]) -> list[dict[str, Any]]:
         """Ask each worker for its live state; a worker that does not answer is marked so."""
@@ -350,15 +359,18 @@ class RouterCore:
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield the decode worker's output items for one request.
 
-        If the decode worker dies mid-stream, the request resumes on another one: it
-        prefills the prompt plus the tokens already streamed and goes on from there, so
-        the client sees no gap and no duplicate (greedy and seeded sampling give the same
-        tokens; sampling is keyed by position). At most `max_resumes` times.
+        If the decode worker dies mid-stream, stalls longer than `stall_timeout_s`
+        between tokens, or leaves the index while its channel is silent (a node cut off
+        from the network: `channels.DecodeChannels._watch`), the request resumes on
+        another one: it prefills the prompt plus the tokens already streamed and goes on
+        from there, so the client sees no gap and no duplicate (greedy and seeded
+        sampling give the same tokens; sampling is keyed by position). At most
+        `max_resumes` times.
 
         Raises:
             UpstreamError: the request could not be served (no worker, every attempt
-                failed, no first token within `first_token_timeout_s`, or a stall between
-                tokens longer than `stall_timeout_s`). Nothing is left running on workers.
+                failed, or no first token within `first_token_timeout_s`). Nothing is
+                left running on workers.
         """
         async for item in self._generate(request_id, prompt_ids, params, arrival_s, False, span):
             yield item
@@ -511,9 +523,9 @@ class RouterCore:
                 )
             else:
                 route.release("prefill")  # no prefill worker is called for it
-            timeout = self.config.first_token_timeout_s
+            timeout, what = self.config.first_token_timeout_s, "first token"
             while not finished:
-                item = await self._next(stream, timeout, "token")
+                item = await self._next(stream, timeout, what)
                 if not counted:
                     counted = True
                     route.release("local")  # D prefilled it (if it had to)
@@ -529,7 +541,7 @@ class RouterCore:
                         ttft = time.monotonic() - arrival_s
                         span.add_event("first_token", {"pdserve.ttft_s": ttft})
                     first = False
-                timeout = self.config.stall_timeout_s
+                timeout, what = self.config.stall_timeout_s, "token"
                 finished = item["finished"]
                 if finished and prefill_task is not None:
                     # The push ended before D's first token; wait for P's report so
@@ -636,7 +648,10 @@ class RouterCore:
             async with asyncio.timeout(timeout_s):
                 return dict(await stream.__anext__())
         except TimeoutError as exc:
-            raise UpstreamError(f"no {what} from the decode worker within {timeout_s:g}s") from exc
+            why = f"no {what} from the decode worker within {timeout_s:g}s"
+            if what == "token":  # it streamed, then stalled: resumable like a failure
+                raise _DecodeFailed(why) from exc
+            raise UpstreamError(why) from exc
         except StopAsyncIteration as exc:
             raise _DecodeFailed("the decode worker ended the stream early") from exc
         except asyncio.CancelledError:
