@@ -78,6 +78,7 @@ class Topology:
     nodes: list[Node] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     host_veth: str = ""
+    redis_url: str = ""  # the cluster's, once `start_cluster` has run
 
     @property
     def switch(self) -> str:
@@ -309,12 +310,14 @@ def start_cluster(
     extra_env: dict[str, str] | None = None,
 ) -> str:
     """Redis, Ray on every node (node i in pool `pools[i]`: "router", "prefill" or
-    "decode"), then `pdserve up` on the head; return the router's URL once ready.
+    "decode"), then `pdserve up` on the head; return the router's URL once ready (the
+    Redis URL is then `topo.redis_url`).
 
     `extra_env`: more environment for every process (e.g. Ray's `RAY_health_check_*`).
     """
     env = {**node_env(secrets.token_hex(32)), **(extra_env or {})}
     redis_url = start_redis(topo, env, scratch)
+    topo.redis_url = redis_url
     for node, pool in zip(topo.nodes, pools, strict=True):
         num_cpus = 0 if pool == "router" else 1
         start_ray(topo, node, env, scratch, num_cpus=num_cpus, resources={f"pd_{pool}": 4})
