@@ -147,7 +147,7 @@ def _wait_for_trace(collector: Receiver, trace_id: str) -> list[ReceivedSpan]:
         if time.monotonic() > deadline:
             got = sorted((s.service, s.name) for s in spans)
             raise AssertionError(f"trace {trace_id} incomplete after {SPANS_TIMEOUT_S}s: {got}")
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll period of an external condition
 
 
 def test_one_request_is_one_trace_across_router_prefill_decode(

@@ -79,7 +79,7 @@ def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
         left = [pid for pid in pids if alive(pid)]
         if not left:
             return []
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll period of an external condition
     return [pid for pid in pids if alive(pid)]
 
 
