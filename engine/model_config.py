@@ -152,3 +152,35 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         )
     except KeyError as exc:
         raise CheckpointError(f"{model_dir / 'config.json'} lacks the key {exc.args[0]!r}") from exc
+
+
+def tensor_parallel_problems(config: ModelConfig, tp: int) -> list[str]:
+    """Why `tp` ranks cannot shard a model of this shape (engine/parallel.py); [] if they can.
+
+    Each reason refers to `tp` as "it": query heads and the MLP's intermediate size are
+    split evenly, KV heads split too or, when there are fewer of them than ranks, each
+    replicated over tp / num_key_value_heads ranks.
+    """
+    if tp == 1:
+        return []
+    problems = []
+    if config.num_heads % tp:
+        problems.append(f"num_attention_heads={config.num_heads} is not divisible by it")
+    kvh = config.num_kv_heads
+    if kvh % tp and tp % kvh:
+        problems.append(
+            f"num_key_value_heads={kvh} neither divides it nor is divisible by it"
+            " (KV heads are split, or replicated when there are fewer than ranks)"
+        )
+    if config.intermediate_size % tp:
+        problems.append(f"intermediate_size={config.intermediate_size} is not divisible by it")
+    return problems
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
+    """Raises UnsupportedModelError unless `tp` ranks can shard this model."""
+    problems = tensor_parallel_problems(config, tp)
+    if problems:
+        raise UnsupportedModelError(
+            f"tensor_parallel_size={tp} cannot shard this model: " + "; ".join(problems)
+        )

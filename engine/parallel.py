@@ -30,33 +30,15 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.attention import AttentionMetadata, DecodeMeta, PrefillMeta
-from pdserve.engine.errors import UnsupportedModelError
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_config import check_tensor_parallel as check_tensor_parallel
+
+# check_tensor_parallel lives in model_config (no torch) so that the cluster's preflight
+# runs the same check; re-exported here, where the shard arithmetic is.
 
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed, stalled past the timeout or is gone."""
-
-
-def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
-    """Raises UnsupportedModelError unless `tp` ranks can shard this model."""
-    if tp == 1:
-        return
-    problems = []
-    if config.num_heads % tp:
-        problems.append(f"num_attention_heads={config.num_heads} is not divisible by it")
-    kvh = config.num_kv_heads
-    if kvh % tp and tp % kvh:
-        problems.append(
-            f"num_key_value_heads={kvh} neither divides it nor is divisible by it"
-            " (KV heads are split, or replicated when there are fewer than ranks)"
-        )
-    if config.intermediate_size % tp:
-        problems.append(f"intermediate_size={config.intermediate_size} is not divisible by it")
-    if problems:
-        raise UnsupportedModelError(
-            f"tensor_parallel_size={tp} cannot shard this model: " + "; ".join(problems)
-        )
 
 
 @dataclass(frozen=True)
