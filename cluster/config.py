@@ -6,9 +6,10 @@ the application's arguments (`deploy/app.py`). Plain Python: no torch.
 Validation has two steps. Constructing a `ClusterConfig` checks what needs nothing but
 the values (ranges, the engine's own rules such as a power-of-two block size, TLS only
 with gRPC). `preflight()` checks what needs the machine: the model folder, the lengths
-and KV pool it allows, the TLS files, Redis. `pdserve up` and the Serve app builder run
-both before any replica starts, so a bad configuration fails in seconds with the field's
-name instead of replicas crash-looping until a ready timeout.
+and KV pool it allows, whether each pool's tensor-parallel size shards it, the TLS files,
+Redis. `pdserve up` and the Serve app builder run both before any replica starts, so a
+bad configuration fails in seconds with the field's name instead of replicas
+crash-looping until a ready timeout.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pdserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig, LoadFormat
 from pdserve.engine.errors import EngineError
-from pdserve.engine.model_config import ModelConfig, load_model_config
+from pdserve.engine.model_config import ModelConfig, load_model_config, tensor_parallel_problems
 from pdserve.kv_transfer.tls import TLSConfig
 
 Mode = Literal["disagg", "colocated"]
 Transport = Literal["grpc", "ucx"]
 Placement = Literal["prefix-aware", "round-robin", "random"]
 DisaggPolicy = Literal["conditional", "always"]
+ROLES = ("prefill", "decode")
 
 
 def parse_cpu_set(text: str) -> set[int]:
@@ -190,6 +192,21 @@ class ClusterConfig(BaseModel):
     prefill_replicas: int = Field(default=1, ge=0)
     decode_replicas: int = Field(default=1, ge=1)
     router_replicas: int = Field(default=1, ge=1)
+    # Tensor parallelism per pool (docs/configuration.md, "Tensor parallelism per pool"):
+    # each replica of the pool is that many ranks, one placement-group bundle each, all
+    # on one node; KV moves rank to rank, re-sliced, so any two valid sizes work together.
+    prefill_tp: int = Field(
+        default=1,
+        ge=1,
+        description="tensor-parallel ranks per prefill replica (disagg mode); each rank takes"
+        " replica_num_cpus CPUs and replica_num_gpus GPUs, on the replica's node",
+    )
+    decode_tp: int = Field(
+        default=1,
+        ge=1,
+        description="tensor-parallel ranks per decode replica; each rank takes"
+        " replica_num_cpus CPUs and replica_num_gpus GPUs, on the replica's node",
+    )
     # Set a pool's autoscaling to size it by its own signal between min and max replicas
     # (its *_replicas field is then the initial count).
     prefill_autoscaling: PoolAutoscaling | None = None
@@ -292,13 +309,51 @@ class ClusterConfig(BaseModel):
         scheme = urlsplit(self.redis_url).scheme
         if self.redis_url and scheme not in ("redis", "rediss", "unix"):
             raise ConfigError("redis_url", "must be a redis://, rediss:// or unix:// URL")
+        self._check_tensor_parallel()
         try:
-            self.engine_config()  # the engine's own rules (block_size a power of two, ...)
+            for role in self.roles():  # the engine's own rules (block_size a power of two, ...)
+                self.engine_config(role)
         except ValidationError as exc:
             why = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
             named = [f for f in ClusterConfig.model_fields if re.search(rf"\b{f}\b", why)]
             raise ConfigError(named[0] if named else "engine", why) from None
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        """What a pool's TP size needs of the other fields (the model's shape: preflight)."""
+        if self.mode != "disagg" and self.prefill_tp > 1:
+            raise ConfigError(
+                "prefill_tp",
+                f"--prefill-tp {self.prefill_tp}: {self.mode} mode has no prefill pool (the "
+                "decode replicas prefill themselves); use --decode-tp, or mode disagg",
+            )
+        for role in self.roles():
+            tp = self.tp(role)
+            if tp == 1:
+                continue
+            flag = f"--{role}-tp {tp}"
+            if not self.rank_bundle(role):
+                # Ray rejects a placement-group bundle that asks for nothing
+                raise ConfigError(
+                    f"{role}_tp",
+                    f"{flag}: each rank takes a placement-group bundle of replica_num_cpus "
+                    "CPUs and replica_num_gpus GPUs, and Ray refuses an empty one: set "
+                    "replica_num_cpus (a fraction will do) or replica_num_gpus above 0",
+                )
+            if self.device == "cpu":
+                continue
+            if self.replica_num_gpus < 1:
+                raise ConfigError(
+                    "replica_num_gpus",
+                    f"{flag}: each rank needs a GPU of its own (NCCL runs no two ranks on one "
+                    f"GPU), but replica_num_gpus={self.replica_num_gpus} lets ranks share one",
+                )
+            if self.num_kv_blocks is None:
+                raise ConfigError(
+                    "num_kv_blocks",
+                    f"{flag}: a tensor-parallel engine does not measure GPU memory to size its "
+                    "KV pool; set num_kv_blocks (--num-kv-blocks), the blocks of each rank",
+                )
 
     @classmethod
     def from_serve_args(cls, args: dict[str, Any]) -> ClusterConfig:
@@ -322,6 +377,32 @@ class ClusterConfig(BaseModel):
     def model_id(self) -> str:
         return self.served_model_name or Path(self.model).name
 
+    def roles(self) -> tuple[str, ...]:
+        """The worker pools this cluster runs: colocated mode has only the decode pool."""
+        return ROLES if self.mode == "disagg" else ("decode",)
+
+    def tp(self, role: str) -> int:
+        """Tensor-parallel ranks per replica of the `role` pool ("prefill" | "decode")."""
+        if role not in ROLES:
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    def pool_resources(self, role: str) -> dict[str, float]:
+        """The Ray custom resources each replica (and each rank) of the `role` pool asks for."""
+        self.tp(role)  # checks the role
+        return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
+
+    def rank_bundle(self, role: str) -> dict[str, float]:
+        """The placement-group bundle of one rank of a `role` replica (TP > 1): the Ray
+        resources a replica asks for without TP, zero-valued ones left out. Bundle 0 holds
+        the Serve replica itself (rank 0), bundle r rank r (cluster/tp_ranks.py)."""
+        bundle = {
+            "CPU": self.replica_num_cpus,
+            "GPU": self.replica_num_gpus,
+            **self.pool_resources(role),
+        }
+        return {name: float(value) for name, value in bundle.items() if value > 0}
+
     def resolved(self) -> ClusterConfig:
         """A copy with max_model_len filled in from the checkpoint (all roles must agree)."""
         if self.max_model_len is not None:
@@ -335,9 +416,11 @@ class ClusterConfig(BaseModel):
     def preflight(self, check_redis: bool = False, redis_timeout_s: float = 3.0) -> ClusterConfig:
         """Check what a replica would find wrong only at start; return `resolved()`.
 
-        The model folder (config.json, architecture, tokenizer), `max_model_len` against
-        the model's and against the KV pool, the TLS files, and with `check_redis` that
-        `redis_url` answers a PING (with its password) within `redis_timeout_s`.
+        The model folder (config.json, architecture, tokenizer), each pool's TP size
+        against the model's heads, KV heads and intermediate size (the engine's own
+        `check_tensor_parallel`), `max_model_len` against the model's and against each
+        pool's KV pool, the TLS files, and with `check_redis` that `redis_url` answers a
+        PING (with its password) within `redis_timeout_s`.
 
         Raises:
             ConfigError: naming the field at fault.
@@ -355,9 +438,19 @@ class ClusterConfig(BaseModel):
                 "max_model_len",
                 f"{self.max_model_len} exceeds the model's max_position_embeddings ({limit})",
             )
+        for role in self.roles():
+            problems = tensor_parallel_problems(mc, self.tp(role))
+            if problems:
+                raise ConfigError(
+                    f"{role}_tp",
+                    f"--{role}-tp {self.tp(role)}: "
+                    + "; ".join(problems)
+                    + f", so the {role} pool's ranks cannot shard {Path(self.model).name}",
+                )
         cfg = self.resolved()
         assert cfg.max_model_len is not None
-        _check_kv_pool(cfg, mc)
+        for role in self.roles():
+            _check_kv_pool(cfg, mc, self.tp(role))
         if self.kv_tls is not None:
             try:
                 self.kv_tls.transport().check()
@@ -379,7 +472,14 @@ class ClusterConfig(BaseModel):
             return self.gpu_memory_utilization
         return DEFAULT_GPU_MEMORY_UTILIZATION * self.replica_num_gpus
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, role: str = "decode") -> EngineConfig:
+        """The engine configuration of a `role` ("prefill" | "decode") replica: its pool's
+        TP size, with ranks 1.. as Ray actors in the replica's placement group. The
+        default, "decode", is the pool every mode has (colocated mode's only one)."""
+        tp = self.tp(role)
+        parallel: dict[str, Any] = {}  # TP 1: the engine's defaults
+        if tp > 1:
+            parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "ray"}
         return EngineConfig(
             model_id=self.model_id,
             dtype=self.dtype,
@@ -396,6 +496,7 @@ class ClusterConfig(BaseModel):
             kv_staging_mb=self.kv_staging_mb,
             tpot_target_ms=self.tpot_target_ms,
             seed=self.seed,
+            **parallel,
         )
 
 
@@ -403,18 +504,22 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DEFAULT_KV_BYTES = 1 << 30  # LLMEngine's pool when nothing sizes it
 
 
-def _check_kv_pool(cfg: ClusterConfig, mc: ModelConfig) -> None:
-    """The KV pool a replica would allocate holds one sequence of `max_model_len` tokens.
+def _check_kv_pool(cfg: ClusterConfig, mc: ModelConfig, tp: int = 1) -> None:
+    """The KV pool a replica of `tp` ranks would allocate (on each rank) holds one
+    sequence of `max_model_len` tokens.
 
-    NOTE: mirrors `LLMEngine._size_kv_pool` (which needs torch, this module must not):
-    a replica raises the same error at start. A CUDA replica without num_kv_blocks
-    measures its pool at start (gpu_memory_utilization): nothing to check here.
+    NOTE: mirrors `LLMEngine._size_kv_pool` and `_block_bytes` (which need torch, this
+    module must not): a replica raises the same error at start. A CUDA replica without
+    num_kv_blocks measures its pool at start (gpu_memory_utilization): nothing to check.
     """
     assert cfg.max_model_len is not None
     if cfg.num_kv_blocks is None and cfg.device != "cpu":
         return
     dtype = cfg.dtype if cfg.dtype != "auto" else mc.torch_dtype
-    block_bytes = cfg.block_size * mc.kv_bytes_per_token * _ITEMSIZE.get(dtype, 4) // 4
+    # a rank's KV heads (TPShard.num_kv_heads): its share, or one replicated head
+    kv_heads = 1 if tp > mc.num_kv_heads else mc.num_kv_heads // tp
+    per_token = mc.kv_bytes_per_token // mc.num_kv_heads * kv_heads
+    block_bytes = cfg.block_size * per_token * _ITEMSIZE.get(dtype, 4) // 4
     if cfg.num_kv_blocks is not None:
         num_blocks, field = cfg.num_kv_blocks, "num_kv_blocks"
     else:
