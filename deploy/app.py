@@ -3,6 +3,11 @@
 `build_app(config)` is what `pdserve up` runs; `app_builder(args)` is the entry point a
 Serve config file names (`import_path: pdserve.deploy.app:app_builder`, its `args` the
 fields of `ClusterConfig`), so `serve run` / `serve deploy` start the same thing.
+
+A pool of TP > 1 (`prefill_tp`, `decode_tp`) gets a placement group per replica: one
+bundle per rank (`ClusterConfig.rank_bundle`), the Serve replica itself in bundle 0 as
+rank 0, the other ranks started by its engine in bundles 1.. (cluster/tp_ranks.py), all
+on one node (STRICT_PACK). A pool of TP 1 asks for no placement group.
 """
 
 from __future__ import annotations
@@ -60,16 +65,27 @@ def build_app(config: ClusterConfig) -> Application:
     env_set = all(os.environ.get(name) == value for name, value in SERVE_ENV.items())
     runtime_env: dict[str, Any] = {} if env_set else {"env_vars": dict(SERVE_ENV)}
 
-    def worker_options(resources: dict[str, float]) -> dict[str, Any]:
+    def worker_options(role: str) -> dict[str, Any]:
         actor: dict[str, Any] = {
             "num_cpus": cfg.replica_num_cpus,
             "num_gpus": cfg.replica_num_gpus,
             "runtime_env": runtime_env,
         }
+        resources = cfg.pool_resources(role)
         if resources:  # a node pool: only nodes started with these custom resources
-            actor["resources"] = dict(resources)
+            actor["resources"] = resources
+        tp = cfg.tp(role)
+        group: dict[str, Any] = {}
+        if tp > 1:
+            # Serve places the replica (rank 0) in bundle 0, which must hold everything
+            # `actor` asks for: it is the same CPUs, GPUs and custom resources.
+            group = {
+                "placement_group_bundles": [cfg.rank_bundle(role) for _ in range(tp)],
+                "placement_group_strategy": "STRICT_PACK",  # all ranks on one node
+            }
         return {
             "ray_actor_options": actor,
+            **group,
             "request_router_config": _TARGETED,
             # The engine batches internally: many concurrent requests per replica.
             "max_ongoing_requests": max(cfg.max_num_seqs, 16),
@@ -80,14 +96,14 @@ def build_app(config: ClusterConfig) -> Application:
     decode = cast(Deployment, serve.deployment(DecodeServer)).options(
         name="Decode",
         **_replicas("decode", cfg.decode_replicas, cfg.decode_autoscaling),
-        **worker_options(cfg.decode_resources),
+        **worker_options("decode"),
     )
     prefill_app = None
     if cfg.mode == "disagg":
         prefill = cast(Deployment, serve.deployment(PrefillServer)).options(
             name="Prefill",
             **_replicas("prefill", cfg.prefill_replicas, cfg.prefill_autoscaling),
-            **worker_options(cfg.prefill_resources),
+            **worker_options("prefill"),
         )
         prefill_app = prefill.bind(args)
     router_actor: dict[str, Any] = {"num_cpus": 0, "runtime_env": runtime_env}
