@@ -110,6 +110,8 @@ def _up(args: argparse.Namespace) -> int:
         prefill_replicas=args.prefill_replicas,
         decode_replicas=args.decode_replicas,
         router_replicas=args.router_replicas,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
         redis_url=args.redis_url or "",
         transfer_host=args.transfer_host,
         dtype=args.dtype,
@@ -284,6 +286,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-replicas", type=int, default=1)
     up.add_argument("--decode-replicas", type=int, default=1)
     up.add_argument("--router-replicas", type=int, default=1)
+    for pool, extra in (("prefill", " (disagg mode)"), ("decode", "")):
+        up.add_argument(
+            f"--{pool}-tp",
+            type=int,
+            default=1,
+            metavar="N",
+            help=f"tensor-parallel ranks per {pool} replica{extra}: a placement group of N "
+            "bundles of --replica-cpus CPUs and --replica-gpus GPUs (one GPU per rank on GPU "
+            "nodes), all on one node; the model's heads, KV heads and intermediate size "
+            "must shard N ways. With --device cuda it needs --num-kv-blocks (per rank)",
+        )
     up.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback)")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument(
@@ -313,7 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     up.add_argument("--block-size", type=int, default=16)
     up.add_argument("--max-model-len", type=int, default=None)
-    up.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker")
+    up.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV blocks per worker (per rank with TP)"
+    )
     up.add_argument(
         "--gpu-memory-utilization",
         type=float,
