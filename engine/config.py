@@ -94,6 +94,13 @@ class EngineConfig(BaseModel):
         " this process is rank 0 and starts the others as local processes; NCCL on CUDA"
         " (one GPU each, cuda:i+r), gloo on CPU. The KV pool is sized per rank.",
     )
+    distributed_executor_backend: Literal["mp", "ray"] = Field(
+        default="mp",
+        description='Tensor parallel: how ranks 1.. start. "mp": local processes of this'
+        ' one (offline use). "ray": Ray actors in the current placement group, one bundle'
+        " per rank (a Serve replica's `placement_group_bundles`, deploy/app.py), which can"
+        " also move their own KV slices to and from other replicas (cluster/tp_ranks.py).",
+    )
     distributed_timeout_s: float = Field(
         default=300.0,
         gt=0,

@@ -204,33 +204,58 @@ class KVStaging:
         self._side_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self.num_one_off = 0  # staged exports that did not fit the staging area
 
-    def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """The wire layout of `num_blocks` blocks of this cache."""
+    def payload_shape(
+        self, num_blocks: int, heads: tuple[int, int] | None = None
+    ) -> tuple[int, ...]:
+        """The wire layout of `num_blocks` blocks of this cache (of its KV heads
+        [heads[0], heads[1]) only, when given)."""
         num_layers, _, _, num_kv_heads, block_size, head_dim = self.kv_cache.shape
+        if heads is not None:
+            num_kv_heads = heads[1] - heads[0]
         return (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
 
-    def export_blocks(self, block_ids: Sequence[int] | torch.Tensor) -> StagedKV:
+    def _heads_view(self, heads: tuple[int, int] | None) -> torch.Tensor:
+        """The cache, or its KV heads [h0, h1) (this cache's own head indices)."""
+        if heads is None or heads == (0, self.kv_cache.shape[3]):
+            return self.kv_cache
+        h0, h1 = heads
+        if not 0 <= h0 < h1 <= self.kv_cache.shape[3]:
+            raise ValueError(f"KV heads [{h0}, {h1}) outside this cache's {self.kv_cache.shape[3]}")
+        return self.kv_cache[:, :, :, h0:h1]
+
+    def export_blocks(
+        self, block_ids: Sequence[int] | torch.Tensor, heads: tuple[int, int] | None = None
+    ) -> StagedKV:
         """Pack blocks `block_ids` (every layer) into a host tensor in the wire layout.
 
-        Raises ValueError on ids out of range. On CUDA the copy to host may still run when
-        this returns: `StagedKV.wait()` before reading, `release()` when done.
+        `heads`: only KV heads [h0, h1) of this cache (a tensor-parallel handoff sends
+        each decode rank its heads, engine/kv_handoff.py); one gather either way.
+        Raises ValueError on ids or heads out of range. On CUDA the copy to host may
+        still run when this returns: `StagedKV.wait()` before reading, `release()` when
+        done.
         """
         ids = self._check_ids(block_ids, allow_repeats=True)
+        cache = self._heads_view(heads)
+        # NOTE: the Triton kernels address the whole cache; a head slice gathers in torch
+        kernels = self.use_kernels and cache is self.kv_cache
         if not self.staged:  # CPU: today's path, one gather into a fresh tensor
-            return StagedKV(_gather(self.kv_cache, ids))
-        shape = self.payload_shape(ids.numel())
+            return StagedKV(_gather(cache, ids))
+        shape = self.payload_shape(ids.numel(), heads)
         host, region = self._host_tensor(shape)
-        if not self.on_cuda:  # kernels forced on CPU: pack straight into the staging area
-            from pdserve.kernels.kv_pack import kv_pack
+        if not self.on_cuda:  # CPU, kernels forced: pack straight into the staging area
+            if kernels:
+                from pdserve.kernels.kv_pack import kv_pack
 
-            kv_pack(self.kv_cache, ids, out=host)
+                kv_pack(self.kv_cache, ids, out=host)
+            else:
+                torch.index_select(cache, 2, ids, out=host)
             return StagedKV(host, None, region)
-        if self.use_kernels:
+        if kernels:
             from pdserve.kernels.kv_pack import kv_pack
 
             packed = kv_pack(self.kv_cache, ids)
         else:
-            packed = _gather(self.kv_cache, ids.to(self.device))
+            packed = _gather(cache, ids.to(self.device))
         side = self._side_stream
         assert side is not None
         packed_event = torch.cuda.Event()
@@ -244,8 +269,14 @@ class KVStaging:
         packed.record_stream(side)
         return StagedKV(host, copied, region)
 
-    def import_blocks(self, payload: torch.Tensor, block_ids: Sequence[int] | torch.Tensor) -> None:
-        """Write `payload` (wire layout, usually host memory) into blocks `block_ids`.
+    def import_blocks(
+        self,
+        payload: torch.Tensor,
+        block_ids: Sequence[int] | torch.Tensor,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
+        """Write `payload` (wire layout, usually host memory) into blocks `block_ids`
+        (into KV heads [h0, h1) of this cache only, when `heads` is given).
 
         Synchronous: when it returns, `payload`'s memory is no longer read (a host->device
         copy from pageable memory with non_blocking=False completes before `.to` returns),
@@ -253,18 +284,22 @@ class KVStaging:
         shape or dtype, ids out of range or repeated.
         """
         ids = self._check_ids(block_ids, allow_repeats=False)
-        self.check_payload(payload, ids.numel())
+        self.check_payload(payload, ids.numel(), heads)
+        cache = self._heads_view(heads)
         buffer = payload.to(self.device)  # synchronous (see above); a no-op on CPU
-        if self.use_kernels:
+        if self.use_kernels and cache is self.kv_cache:
             from pdserve.kernels.kv_pack import kv_unpack
 
             kv_unpack(buffer.contiguous(), self.kv_cache, ids)
         else:
-            _scatter(buffer, self.kv_cache, ids.to(self.device))
+            _scatter(buffer, cache, ids.to(self.device))
 
-    def check_payload(self, payload: torch.Tensor, num_blocks: int) -> None:
-        """Raise ValueError unless `payload` is `num_blocks` blocks of this cache's layout."""
-        shape = self.payload_shape(num_blocks)
+    def check_payload(
+        self, payload: torch.Tensor, num_blocks: int, heads: tuple[int, int] | None = None
+    ) -> None:
+        """Raise ValueError unless `payload` is `num_blocks` blocks of this cache's layout
+        (of its KV heads `heads`, when given)."""
+        shape = self.payload_shape(num_blocks, heads)
         if tuple(payload.shape) != shape or payload.dtype != self.kv_cache.dtype:
             raise ValueError(
                 f"payload {tuple(payload.shape)} {payload.dtype} is not {num_blocks} blocks of "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,7 +23,15 @@ from pdserve.engine.demo_model import resolve_model
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.hashing import hash_namespace
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from pdserve.engine.kv_handoff import KVExport, KVImportError, export_kv, import_prefilled
+from pdserve.engine.kv_handoff import (
+    HeadRange,
+    KVExport,
+    KVImportError,
+    export_block_ids,
+    export_kv,
+    export_ranges,
+    import_prefilled,
+)
 from pdserve.engine.kv_staging import KVStaging
 from pdserve.engine.memory_profile import (
     CudaMemoryReader,
@@ -51,7 +60,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, TokenLogprobs
 from pdserve.engine.step_cost import StepCostModel
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.tp_worker import TPWorkers
+from pdserve.engine.tp_worker import RankLauncher, TPWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +108,14 @@ class LLMEngine:
         config: EngineConfig | None = None,
         *,
         memory_reader: MemoryReader | None = None,
+        rank_launcher: RankLauncher | None = None,
     ) -> None:
         """`memory_reader`: how the KV pool's sizing reads the device (memory_profile.py);
         by default torch.cuda's on CUDA, and none on CPU (the pool is not measured there).
-        A reader given on CPU makes the engine measure as on CUDA (tests)."""
+        A reader given on CPU makes the engine measure as on CUDA (tests).
+        `rank_launcher`: how tensor-parallel ranks 1.. start; required with
+        `distributed_executor_backend="ray"` (the cluster's, cluster/tp_ranks.py), local
+        processes by default."""
         self.config = config = config or EngineConfig()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -114,6 +127,11 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         tp = config.tensor_parallel_size
         check_tensor_parallel(self.model_config, tp)
+        if tp > 1 and config.distributed_executor_backend == "ray" and rank_launcher is None:
+            raise ValueError(
+                'distributed_executor_backend="ray" needs the cluster\'s rank launcher'
+                ' (cluster/tp_ranks.py); offline, use "mp"'
+            )
         # Tensor parallel: this process is rank 0 (the driver) and holds shard 0.
         self._shard = TPShard(self.model_config, 0, tp) if tp > 1 else None
         self.tp_workers: TPWorkers | None = None
@@ -139,6 +157,7 @@ class LLMEngine:
                 self.max_model_len,
                 self.num_kv_blocks,
                 self.device,
+                rank_launcher,
             )
         try:
             self.model: LlamaModel = load_model(
@@ -347,7 +366,7 @@ class LLMEngine:
         prompt_token_ids: Seq[int],
         first_token: int,
         params: SamplingParams,
-        payload: torch.Tensor,
+        payload: torch.Tensor | Seq[tuple[HeadRange, torch.Tensor]],
         first_block: int = 0,
         stream: bool = False,
         first_logprobs: TokenLogprobs | None = None,
@@ -355,19 +374,34 @@ class LLMEngine:
         """Decode role: admit a request whose prompt KV was computed elsewhere.
 
         Blocks before `first_block` must still be in this engine's prefix cache; `payload`
-        (kv_pack's layout) holds the rest of the prompt's blocks. `first_logprobs`: the
-        first token's logprob and top-n as the prefill worker's sampler computed them
-        (required when `params` asks for logprobs: they become the first entry of the
-        request's logprobs). Returns the output of the first token. Raises
-        KVImportError (nothing held) when the KV cannot be used: the caller then
-        prefills the request locally instead.
+        (kv_pack's layout) holds the rest of the prompt's blocks: one tensor of all this
+        engine's KV heads, or parts (global KV-head range, tensor) that tile this rank's
+        heads (`kv_head_range`). With tensor parallelism the other ranks write their own
+        claimed parts of `request_id` (a `RankKVStore`'s) into the same blocks.
+        `first_logprobs`: the first token's logprob and top-n as the prefill worker's
+        sampler computed them (required when `params` asks for logprobs: they become the
+        first entry of the request's logprobs). Returns the output of the first token.
+        Raises KVImportError (nothing held, the other ranks' parts dropped) when the KV
+        cannot be used: the caller then prefills the request locally instead.
         """
-        self._refuse_tensor_parallel("importing KV")
-        _check_first_logprobs(first_token, params, first_logprobs)
-        seq = self._new_sequence(request_id, prompt_token_ids, params, None)
-        import_prefilled(
-            seq, payload, first_block, self.kv_manager, self.kv_staging, self.scheduler
-        )
+        workers = self.tp_workers
+        try:
+            _check_first_logprobs(first_token, params, first_logprobs)
+            seq = self._new_sequence(request_id, prompt_token_ids, params, None)
+            import_prefilled(
+                seq,
+                payload,
+                first_block,
+                self.kv_manager,
+                self.kv_staging,
+                self.scheduler,
+                own=self.kv_head_range,
+                on_blocks=None if workers is None else partial(workers.import_kv, request_id),
+            )
+        except KVImportError:
+            if workers is not None:
+                workers.drop_kv(request_id)
+            raise
         self._track(seq, stream)
         seq.append_token(first_token)
         if first_logprobs is not None and params.logprobs is not None:
@@ -377,29 +411,55 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         return self._output(seq, [first_token], seq.is_finished)
 
-    def export_kv(self, request_id: str, first_block: int = 0) -> KVExport:
+    @property
+    def kv_head_range(self) -> HeadRange:
+        """The model's KV heads [start, end) this process's cache holds (rank 0's)."""
+        if self._shard is None:
+            return (0, self.model_config.num_kv_heads)
+        return self._shard.kv_head_range
+
+    def kv_head_ranges(self) -> list[HeadRange]:
+        """Every rank's KV heads, in rank order (one range without tensor parallelism)."""
+        tp = self.config.tensor_parallel_size
+        if tp == 1:
+            return [self.kv_head_range]
+        return [TPShard(self.model_config, r, tp).kv_head_range for r in range(tp)]
+
+    def export_kv(
+        self, request_id: str, first_block: int = 0, ranges: Seq[HeadRange] | None = None
+    ) -> KVExport:
         """Prefill role: the prompt KV of a finished `hold_kv` request, from `first_block`.
 
-        On CUDA its copy to host may still run: `wait()` for it off the event loop, and
+        `ranges`: the KV-head ranges the receiving ranks own (a tensor-parallel decode
+        replica's); the export holds this rank's overlap with each, one part per range
+        (None: one part of all this rank's heads). With tensor parallelism the other ranks
+        pack their own parts into their `RankKVStore`s (their transports send them).
+        On CUDA the copy to host may still run: `wait()` for it off the event loop, and
         `release()` the export once its payload is sent (engine/kv_staging.py).
         """
-        self._refuse_tensor_parallel("exporting KV")
         seq = self._held.get(request_id)
         if seq is None:
             raise InvalidRequestError(f"request {request_id!r} holds no KV here")
-        return export_kv(seq, self.kv_staging, self.config.block_size, first_block)
-
-    def _refuse_tensor_parallel(self, what: str) -> None:
-        # NOTE: each rank holds its KV heads' slice of a block; a handoff would have to
-        # gather and scatter them. Until then the worker roles run with one rank.
+        own = self.kv_head_range
         if self.tp_workers is not None:
-            raise TensorParallelError(f"{what} is not implemented with tensor_parallel_size > 1")
+            ids = export_block_ids(seq, self.config.block_size, first_block)
+            self.tp_workers.export_kv(request_id, ids, ranges)
+        return export_kv(
+            seq,
+            self.kv_staging,
+            self.config.block_size,
+            first_block,
+            export_ranges(own, True, ranges),  # rank 0 holds its heads' lowest copy
+            own_start=own[0],
+        )
 
     def release_kv(self, request_id: str) -> None:
         """Prefill role: drop a held request's blocks (they stay in the prefix cache)."""
         seq = self._held.pop(request_id, None)
         if seq is not None:
             self.kv_manager.free(seq)
+        if self.tp_workers is not None and self.tp_workers.failure is None:
+            self.tp_workers.drop_kv(request_id)  # what their transports did not take
 
     def _new_sequence(
         self,
@@ -486,7 +546,17 @@ class LLMEngine:
             "aborted": sched.stats.num_aborted,
             # what the step-time target lets a step prefill beside the running decodes now
             "step_prefill_budget": sched.prefill_budget(),
+            **self._parallel_gauges(),
         }
+
+    def _parallel_gauges(self) -> dict[str, int]:
+        """Tensor parallel: the driver's all-reduce time per step (microseconds), the
+        share of a step the ranks spend exchanging partial sums."""
+        if self.tp_workers is None:
+            return {}
+        times = self.tp_workers.group.times()
+        per_step = times.all_reduce_s / times.steps if times.steps else 0.0
+        return {"tp_all_reduce_us_per_step": round(per_step * 1e6)}
 
     # -- the loop -------------------------------------------------------------------
 

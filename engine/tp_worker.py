@@ -20,6 +20,14 @@ timeout.
 
 Shutdown: `close()` (and a finalizer, for an engine dropped or an interpreter exiting)
 sends each worker "stop", waits for it, and kills what does not exit in time.
+
+How ranks start is the launcher's business (`RankLauncher`): `ProcessLauncher` (local
+processes, `distributed_executor_backend="mp"`, offline use) here; the cluster's Ray
+launcher (cluster/tp_ranks.py: actors in the replica's placement group) hands each rank a
+`RankKVStore` as well, through which the rank's KV slices meet its own KV transport: the
+driver's "export" / "import" / "drop" messages, ordered with the steps on the same
+socket, make every rank pack or write its KV heads of a request's blocks (the KV handoff
+of a tensor-parallel replica, rank to rank; engine/kv_handoff.py).
 """
 
 from __future__ import annotations
@@ -31,18 +39,22 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_handoff import ExportedPart, HeadRange, export_ranges
+from pdserve.engine.kv_staging import KVStaging
 from pdserve.engine.parallel import (
     RankMemory,
     TensorParallelError,
@@ -72,6 +84,131 @@ class WorkerSpec:
     init_method: str
 
 
+class RankHandle(Protocol):
+    """A started worker rank, as its launcher made it."""
+
+    conn: Connection  # the driver's end of the rank's control socket
+    pid: int | None  # the rank's process, where the launcher knows it
+
+    def exited(self) -> bool:
+        """Whether the rank is known to be gone (False when unknown)."""
+
+    def stop(self, timeout_s: float) -> None:
+        """After "stop" was sent: wait for the rank to end, at most `timeout_s`, then
+        make sure it has (kill)."""
+
+    def kill(self) -> None:
+        """End the rank at once."""
+
+
+class RankLauncher(Protocol):
+    def start(self, rank: int, world_size: int, spec: WorkerSpec) -> RankHandle:
+        """Start rank `rank`; it runs `worker_main(rank, world_size, spec, conn, ...)`."""
+
+
+class _ProcessRank:
+    def __init__(self, proc: subprocess.Popen[bytes], conn: Connection) -> None:
+        self.proc, self.conn = proc, conn
+        self.pid: int | None = proc.pid
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def stop(self, timeout_s: float) -> None:
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("tensor-parallel worker %d did not stop; killing it", self.pid)
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+class ProcessLauncher:
+    """Ranks as local processes (`python -m pdserve.engine.tp_worker`), each with one end
+    of a socket pair: no re-import of the caller's main module, so a plain script needs no
+    `__main__` guard."""
+
+    def start(self, rank: int, world_size: int, spec: WorkerSpec) -> RankHandle:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        ours, theirs = socket.socketpair()
+        argv = [sys.executable, "-m", "pdserve.engine.tp_worker", "--fd", str(theirs.fileno())]
+        proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        conn = Connection(ours.detach())
+        conn.send((rank, world_size, spec))
+        return _ProcessRank(proc, conn)
+
+
+class RankKVStore:
+    """A rank's KV slices in flight between its step thread and its KV transport.
+
+    The step thread (`worker_main`) puts what the driver's "export" packed and takes what
+    an "import" writes; the transport side (any thread) takes exports to send and puts
+    claimed parts to import. Keyed by request id.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._exports: dict[str, list[ExportedPart]] = {}
+        self._imports: dict[str, list[tuple[HeadRange, Any, Any]]] = {}
+        self._dropped: set[str] = set()
+
+    # step thread
+    def put_export(self, key: str, parts: list[ExportedPart]) -> None:
+        with self._cond:
+            if key in self._dropped:  # its send was given up before the pack ran
+                self._dropped.discard(key)
+                for part in parts:
+                    part.staged.release()
+                return
+            self._exports[key] = parts
+            self._cond.notify_all()
+
+    def take_import(self, key: str) -> list[tuple[HeadRange, Any, Any]]:
+        """The claimed parts of `key`: (global heads, payload tensor, release callback)."""
+        with self._cond:
+            parts = self._imports.pop(key, None)
+        if parts is None:
+            raise TensorParallelError(f"no claimed KV of {key!r} on this rank to import")
+        return parts
+
+    # transport side
+    def wait_export(self, key: str, timeout_s: float) -> list[ExportedPart]:
+        """This rank's packed parts of `key` (the caller releases them), once packed."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self._exports, timeout_s):
+                self._dropped.add(key)
+                raise TimeoutError(f"the KV of {key!r} was not packed in {timeout_s:g} s")
+            return self._exports.pop(key)
+
+    def put_import(self, key: str, parts: list[tuple[HeadRange, Any, Any]]) -> None:
+        with self._cond:
+            self.drop_import(key)
+            self._imports[key] = parts
+
+    def drop(self, key: str) -> None:
+        """Forget `key`'s export and claimed parts, releasing them (idempotent)."""
+        with self._cond:
+            for part in self._exports.pop(key, []):
+                part.staged.release()
+            self.drop_import(key)
+
+    def drop_import(self, key: str) -> None:
+        with self._cond:
+            for _, _, release in self._imports.pop(key, []):
+                release()
+
+    @property
+    def num_held(self) -> int:
+        """Exports and imports held (0 when idle: leak check)."""
+        with self._cond:
+            return len(self._exports) + len(self._imports)
+
+
 class TPWorkers:
     """The driver's handle on ranks 1..tp-1, and the group they share with it.
 
@@ -87,6 +224,7 @@ class TPWorkers:
         max_model_len: int,
         num_kv_blocks: int,
         device: torch.device,
+        launcher: RankLauncher | None = None,
     ) -> None:
         self.world_size = tp = config.tensor_parallel_size
         self.timeout_s = config.distributed_timeout_s
@@ -98,40 +236,35 @@ class TPWorkers:
             num_kv_blocks,
             f"tcp://127.0.0.1:{free_port()}",
         )
-        self._procs: list[subprocess.Popen[bytes]] = []
+        launcher = launcher or ProcessLauncher()
+        self._ranks: list[RankHandle] = []
         self._conns: list[Connection] = []
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        for rank in range(1, tp):
-            ours, theirs = socket.socketpair()
-            argv = [sys.executable, "-m", "pdserve.engine.tp_worker", "--fd", str(theirs.fileno())]
-            proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
-            theirs.close()
-            conn = Connection(ours.detach())
-            conn.send((rank, tp, spec))
-            self._procs.append(proc)
-            self._conns.append(conn)
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, None)
+        self._finalizer = weakref.finalize(self, _shutdown, self._ranks, None)
         self.ranks: list[RankMemory] = []
         self.failure: BaseException | None = None
         try:
+            for rank in range(1, tp):
+                handle = launcher.start(rank, tp, spec)
+                self._ranks.append(handle)
+                self._conns.append(handle.conn)
             self.group = TPGroup(0, tp, spec.init_method, device, self.timeout_s)
         except Exception as exc:
             self._finalizer()
             raise TensorParallelError(f"tensor-parallel ranks did not join: {exc}") from exc
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self.group)
+        self._finalizer = weakref.finalize(self, _shutdown, self._ranks, self.group)
 
     @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+    def pids(self) -> list[int | None]:
+        return [r.pid for r in self._ranks]
 
     def wait_ready(self) -> list[RankMemory]:
         """Each worker's memory once its shard is loaded (in rank order)."""
         deadline = time.monotonic() + self.timeout_s
         ranks = []
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
+        for rank, (handle, conn) in enumerate(zip(self._ranks, self._conns, strict=True), 1):
             while not conn.poll(0.1):
-                if proc.poll() is not None:
+                if handle.exited():
                     raise TensorParallelError(f"tensor-parallel rank {rank} exited at start")
                 if time.monotonic() > deadline:
                     raise TensorParallelError(
@@ -156,13 +289,31 @@ class TPWorkers:
         if self.failure is not None:
             raise TensorParallelError("the tensor-parallel group failed earlier") from self.failure
         header, payload = pack_step(input_ids, positions, meta, sample_rows)
-        for rank, conn in enumerate(self._conns, 1):
-            try:
-                conn.send(("step", header))
-            except OSError as exc:  # the worker's end is closed: it is gone
-                raise TensorParallelError(f"tensor-parallel rank {rank} is gone") from exc
+        self._send_all("step", header)
         self.group.broadcast(payload)
         self.group.count_step()
+
+    def export_kv(self, key: str, block_ids: list[int], ranges: Sequence[HeadRange] | None) -> None:
+        """Make every worker pack its KV heads of `block_ids` for receivers owning
+        `ranges` (engine/kv_handoff.py `export_ranges`) into its `RankKVStore`."""
+        self._send_all("export", (key, block_ids, None if ranges is None else list(ranges)))
+
+    def import_kv(self, key: str, block_ids: list[int]) -> None:
+        """Make every worker write its claimed parts of `key` into `block_ids`."""
+        self._send_all("import", (key, block_ids))
+
+    def drop_kv(self, key: str) -> None:
+        """Make every worker forget `key`'s export and claimed parts."""
+        self._send_all("drop", key)
+
+    def _send_all(self, kind: str, value: Any) -> None:
+        if self.failure is not None:
+            raise TensorParallelError("the tensor-parallel group failed earlier") from self.failure
+        for rank, conn in enumerate(self._conns, 1):
+            try:
+                conn.send((kind, value))
+            except OSError as exc:  # the worker's end is closed: it is gone
+                raise TensorParallelError(f"tensor-parallel rank {rank} is gone") from exc
 
     def close(self) -> None:
         """Stop the workers (killing any that do not stop in time), leave the group."""
@@ -170,9 +321,8 @@ class TPWorkers:
 
     def kill(self) -> None:
         """Kill the workers at once (after a failure: they may be wedged), then `close`."""
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.kill()
+        for handle in self._ranks:
+            handle.kill()
         self._finalizer()
 
 
@@ -184,22 +334,15 @@ def _recv(conn: Connection, rank: int) -> tuple[str, Any]:
     return kind, value
 
 
-def _shutdown(
-    procs: list[subprocess.Popen[bytes]], conns: list[Connection], group: TPGroup | None
-) -> None:
-    for conn in conns:
+def _shutdown(ranks: list[RankHandle], group: TPGroup | None) -> None:
+    for handle in ranks:
         with contextlib.suppress(OSError, ValueError):
-            conn.send(("stop", None))
+            handle.conn.send(("stop", None))
     deadline = time.monotonic() + _STOP_WAIT_S
-    for proc in procs:
-        try:
-            proc.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            logger.warning("tensor-parallel worker %d did not stop; killing it", proc.pid)
-            proc.kill()
-            proc.wait(5)
-    for conn in conns:
-        conn.close()
+    for handle in ranks:
+        handle.stop(max(deadline - time.monotonic(), 0.1))
+    for handle in ranks:
+        handle.conn.close()
     if group is not None:
         with contextlib.suppress(Exception):
             group.destroy()
@@ -220,23 +363,36 @@ def main() -> None:
     worker_main(rank, world_size, spec, conn)
 
 
-def worker_main(rank: int, world_size: int, spec: WorkerSpec, conn: Connection) -> None:
+def worker_main(
+    rank: int,
+    world_size: int,
+    spec: WorkerSpec,
+    conn: Connection,
+    store: RankKVStore | None = None,
+    on_built: Any = None,
+) -> None:
     """Rank `rank`'s process: build the shard, report ready, run steps until "stop" or
-    until the driver is gone (its socket closes) or a collective fails."""
+    until the driver is gone (its socket closes) or a collective fails.
+
+    `store`: where this rank's KV slices meet its transport (the Ray launcher's); KV
+    messages fail the rank without one. `on_built(runner, shard)`: called once the shard
+    is loaded (the Ray launcher keeps the layout for its receiver)."""
     logging.basicConfig(level=logging.INFO, format=f"tp-rank{rank} %(levelname)s %(message)s")
     config = spec.config
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     group: TPGroup | None = None
+    device = torch.device(config.device)
+    if config.distributed_executor_backend == "ray" and device.type == "cuda":
+        device = torch.device("cuda", 0)  # Ray gives each rank's actor its own GPU
+    else:
+        device = rank_device(device, rank)
     try:
-        group = TPGroup(
-            rank,
-            world_size,
-            spec.init_method,
-            rank_device(torch.device(config.device), rank),
-            config.distributed_timeout_s,
-        )
-        runner = _build_rank(rank, world_size, spec, group)
+        group = TPGroup(rank, world_size, spec.init_method, device, config.distributed_timeout_s)
+        runner, shard = _build_rank(rank, world_size, spec, group)
+        staging = KVStaging(runner.kv_cache, config.kv_staging_mb << 20)
+        if on_built is not None:
+            on_built(runner, shard)
     except BaseException:
         with contextlib.suppress(OSError):
             conn.send(("error", traceback.format_exc()))
@@ -257,6 +413,9 @@ def worker_main(rank: int, world_size: int, spec: WorkerSpec, conn: Connection) 
                 break
             if kind == "stop":
                 break
+            if kind != "step":
+                _kv_message(kind, header, staging, shard, store)
+                continue
             payload = torch.empty(payload_len(header), dtype=torch.int64, device=group.device)
             group.broadcast(payload)
             runner.execute_shard(*unpack_step(header, payload))
@@ -269,7 +428,38 @@ def worker_main(rank: int, world_size: int, spec: WorkerSpec, conn: Connection) 
         raise SystemExit(code)
 
 
-def _build_rank(rank: int, world_size: int, spec: WorkerSpec, group: TPGroup) -> Any:
+def _kv_message(
+    kind: str, value: Any, staging: KVStaging, shard: TPShard, store: RankKVStore | None
+) -> None:
+    """The driver's KV handoff messages (see the module docstring), on the step thread."""
+    if store is None:
+        raise TensorParallelError(f"{kind!r}: this rank has no KV transport (launcher)")
+    own = shard.kv_head_range
+    if kind == "export":
+        key, ids, ranges = value
+        # a replicated KV head is sent by the lowest rank holding it, once
+        lowest = own[0] * shard.tp // shard.config.num_kv_heads if shard.kv_replicated else -1
+        parts = [
+            ExportedPart(r, staging.export_blocks(ids, (r[0] - own[0], r[1] - own[0])))
+            for r in export_ranges(own, lowest in (-1, shard.rank), ranges)
+        ]
+        store.put_export(key, parts)
+    elif kind == "import":
+        key, ids = value
+        for (start, end), payload, release in store.take_import(key):
+            try:
+                staging.import_blocks(payload, ids, (start - own[0], end - own[0]))
+            finally:
+                release()
+    elif kind == "drop":
+        store.drop(value)
+    else:
+        raise TensorParallelError(f"unknown message {kind!r} from the driver")
+
+
+def _build_rank(
+    rank: int, world_size: int, spec: WorkerSpec, group: TPGroup
+) -> tuple[Any, TPShard]:
     # Imported here: llm_engine imports this module.
     from pdserve.engine.llm_engine import _DTYPES, make_attention_backend
     from pdserve.engine.model import load_model
@@ -281,6 +471,7 @@ def _build_rank(rank: int, world_size: int, spec: WorkerSpec, group: TPGroup) ->
     model_dir = Path(spec.model_dir)
     model_config = load_model_config(model_dir)
     device = group.device
+    shard = TPShard(model_config, rank, world_size)
     model = load_model(
         model_dir,
         model_config,
@@ -289,10 +480,10 @@ def _build_rank(rank: int, world_size: int, spec: WorkerSpec, group: TPGroup) ->
         spec.max_model_len,
         config.load_format,
         config.seed,
-        TPShard(model_config, rank, world_size),
+        shard,
     )
     model.tp = group
-    return ModelRunner(
+    runner = ModelRunner(
         model,
         allocate_kv_cache(model, spec.num_kv_blocks, config.block_size, device),
         config.block_size,
@@ -300,6 +491,7 @@ def _build_rank(rank: int, world_size: int, spec: WorkerSpec, group: TPGroup) ->
         Sampler(config.seed, device),
         device,
     )
+    return runner, shard
 
 
 if __name__ == "__main__":
