@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x13pdserve.kv_transfer\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\x97\x03\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12-\n\x06layout\x18\x03 \x01(\x0b\x32\x1d.pdserve.kv_transfer.KVLayout\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x19\n\x11\x66irst_block_index\x18\x06 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\x03\x12 \n\x13\x66irst_token_logprob\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12\x17\n\x0f\x62lock_checksums\x18\t \x03(\x06\x12\x10\n\x08lease_ms\x18\n \x01(\r\x12\x15\n\rcluster_token\x18\x0b \x01(\t\x12\x15\n\rpayload_bytes\x18\x0c \x01(\x04\x12\x43\n\x18\x66irst_token_top_logprobs\x18\r \x03(\x0b\x32!.pdserve.kv_transfer.TokenLogprobB\x16\n\x14_first_token_logprob\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"}\n\x0fTransferMessage\x12\x35\n\x06header\x18\x01 \x01(\x0b\x32#.pdserve.kv_transfer.TransferHeaderH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.pdserve.kv_transfer.ChunkH\x00\x42\x06\n\x04kind\"d\n\x0bTransferAck\x12,\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1e.pdserve.kv_transfer.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04*\xd5\x01\n\tErrorCode\x12\x06\n\x02OK\x10\x00\x12\x15\n\x11\x43HECKSUM_MISMATCH\x10\x01\x12\x13\n\x0fLAYOUT_MISMATCH\x10\x02\x12\r\n\tTRUNCATED\x10\x03\x12\x13\n\x0fUNKNOWN_REQUEST\x10\x04\x12\x10\n\x0cUNAUTHORIZED\x10\x05\x12\x11\n\rLEASE_EXPIRED\x10\x06\x12\r\n\tDUPLICATE\x10\x07\x12\r\n\tTOO_LARGE\x10\x08\x12\x0e\n\nBAD_HEADER\x10\t\x12\x0c\n\x08INTERNAL\x10\n\x12\x0f\n\x0bKV_MISMATCH\x10\x0b\x32\xb8\x01\n\nKVTransfer\x12P\n\x04Push\x12$.pdserve.kv_transfer.TransferMessage\x1a .pdserve.kv_transfer.TransferAck(\x01\x12X\n\nPushStream\x12$.pdserve.kv_transfer.TransferMessage\x1a .pdserve.kv_transfer.TransferAck(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x13pdserve.kv_transfer\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xc3\x03\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12-\n\x06layout\x18\x03 \x01(\x0b\x32\x1d.pdserve.kv_transfer.KVLayout\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x19\n\x11\x66irst_block_index\x18\x06 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\x03\x12 \n\x13\x66irst_token_logprob\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12\x17\n\x0f\x62lock_checksums\x18\t \x03(\x06\x12\x10\n\x08lease_ms\x18\n \x01(\r\x12\x15\n\rcluster_token\x18\x0b \x01(\t\x12\x15\n\rpayload_bytes\x18\x0c \x01(\x04\x12\x43\n\x18\x66irst_token_top_logprobs\x18\r \x03(\x0b\x32!.pdserve.kv_transfer.TokenLogprob\x12\x15\n\rkv_head_start\x18\x0e \x01(\r\x12\x13\n\x0bkv_head_end\x18\x0f \x01(\rB\x16\n\x14_first_token_logprob\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"}\n\x0fTransferMessage\x12\x35\n\x06header\x18\x01 \x01(\x0b\x32#.pdserve.kv_transfer.TransferHeaderH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.pdserve.kv_transfer.ChunkH\x00\x42\x06\n\x04kind\"d\n\x0bTransferAck\x12,\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1e.pdserve.kv_transfer.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04*\xd5\x01\n\tErrorCode\x12\x06\n\x02OK\x10\x00\x12\x15\n\x11\x43HECKSUM_MISMATCH\x10\x01\x12\x13\n\x0fLAYOUT_MISMATCH\x10\x02\x12\r\n\tTRUNCATED\x10\x03\x12\x13\n\x0fUNKNOWN_REQUEST\x10\x04\x12\x10\n\x0cUNAUTHORIZED\x10\x05\x12\x11\n\rLEASE_EXPIRED\x10\x06\x12\r\n\tDUPLICATE\x10\x07\x12\r\n\tTOO_LARGE\x10\x08\x12\x0e\n\nBAD_HEADER\x10\t\x12\x0c\n\x08INTERNAL\x10\n\x12\x0f\n\x0bKV_MISMATCH\x10\x0b\x32\xb8\x01\n\nKVTransfer\x12P\n\x04Push\x12$.pdserve.kv_transfer.TransferMessage\x1a .pdserve.kv_transfer.TransferAck(\x01\x12X\n\nPushStream\x12$.pdserve.kv_transfer.TransferMessage\x1a .pdserve.kv_transfer.TransferAck(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=879
-  _globals['_ERRORCODE']._serialized_end=1092
+  _globals['_ERRORCODE']._serialized_start=923
+  _globals['_ERRORCODE']._serialized_end=1136
   _globals['_KVLAYOUT']._serialized_start=42
   _globals['_KVLAYOUT']._serialized_end=147
   _globals['_TRANSFERHEADER']._serialized_start=150
-  _globals['_TRANSFERHEADER']._serialized_end=557
-  _globals['_TOKENLOGPROB']._serialized_start=559
-  _globals['_TOKENLOGPROB']._serialized_end=608
-  _globals['_CHUNK']._serialized_start=610
-  _globals['_CHUNK']._serialized_end=647
-  _globals['_TRANSFERMESSAGE']._serialized_start=649
-  _globals['_TRANSFERMESSAGE']._serialized_end=774
-  _globals['_TRANSFERACK']._serialized_start=776
-  _globals['_TRANSFERACK']._serialized_end=876
-  _globals['_KVTRANSFER']._serialized_start=1095
-  _globals['_KVTRANSFER']._serialized_end=1279
+  _globals['_TRANSFERHEADER']._serialized_end=601
+  _globals['_TOKENLOGPROB']._serialized_start=603
+  _globals['_TOKENLOGPROB']._serialized_end=652
+  _globals['_CHUNK']._serialized_start=654
+  _globals['_CHUNK']._serialized_end=691
+  _globals['_TRANSFERMESSAGE']._serialized_start=693
+  _globals['_TRANSFERMESSAGE']._serialized_end=818
+  _globals['_TRANSFERACK']._serialized_start=820
+  _globals['_TRANSFERACK']._serialized_end=920
+  _globals['_KVTRANSFER']._serialized_start=1139
+  _globals['_KVTRANSFER']._serialized_end=1323
 # @@protoc_insertion_point(module_scope)

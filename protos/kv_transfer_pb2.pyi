@@ -49,7 +49,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("request_id", "model_id", "layout", "num_blocks", "block_hashes", "first_block_index", "first_token", "first_token_logprob", "block_checksums", "lease_ms", "cluster_token", "payload_bytes", "first_token_top_logprobs")
+    __slots__ = ("request_id", "model_id", "layout", "num_blocks", "block_hashes", "first_block_index", "first_token", "first_token_logprob", "block_checksums", "lease_ms", "cluster_token", "payload_bytes", "first_token_top_logprobs", "kv_head_start", "kv_head_end")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class TransferHeader(_message.Message):
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_END_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     layout: KVLayout
@@ -76,7 +78,9 @@ class TransferHeader(_message.Message):
     cluster_token: str
     payload_bytes: int
     first_token_top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block_index: _Optional[int] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., block_checksums: _Optional[_Iterable[int]] = ..., lease_ms: _Optional[int] = ..., cluster_token: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    kv_head_start: int
+    kv_head_end: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block_index: _Optional[int] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., block_checksums: _Optional[_Iterable[int]] = ..., lease_ms: _Optional[int] = ..., cluster_token: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
