@@ -26,6 +26,13 @@ Who frees what, when (docs/kv-handoff.md):
   (then it is freed and the claim fails with `LeaseExpiredError`). `cancel` drops
   everything of a request.
 - An expectation itself ends after `expect_timeout_s`, so nothing waits forever.
+
+KV heads in parts (tensor parallelism, docs/kv-handoff.md): a header may say which of
+the model's KV heads its payload holds (`kv_heads`, global indices [start, end); its
+layout's `num_kv_heads` is the part's width). A receiver owns a range of heads
+(`ReceiverConfig.kv_heads`) and takes one expected request in several parts, one
+transfer each, from several senders; the request is complete when its verified parts
+tile the receiver's range, and any part failing fails the whole request.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import xxhash
@@ -63,6 +70,7 @@ from pdserve.protos import kv_transfer_pb2 as pb
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _EXPIRED_KEPT = 4096  # expired request ids a receiver remembers for their late claim
 Payload = bytes | bytearray | memoryview | np.ndarray
+HeadRange = tuple[int, int]  # KV heads [start, end), the model's global head indices
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,18 @@ class TransferHeader:
     first_token_top_logprobs: tuple[tuple[int, float], ...] = ()
     lease_ms: int = 30_000
     cluster_token: str = ""
+    # The global KV heads the payload holds (one part of a request's KV, under tensor
+    # parallelism); None: heads [0, layout.num_kv_heads). layout.num_kv_heads is the
+    # part's width either way.
+    kv_heads: HeadRange | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_heads", _head_range(self.kv_heads, self.layout, "header"))
+
+    @property
+    def head_range(self) -> HeadRange:
+        """The global KV heads [start, end) the payload holds."""
+        return self.kv_heads if self.kv_heads is not None else (0, self.layout.num_kv_heads)
 
     @property
     def num_blocks(self) -> int:
@@ -131,6 +151,7 @@ class TransferHeader:
         return self.num_blocks * self.layout.block_bytes
 
     def to_proto(self) -> pb.TransferHeader:
+        start, end = self.kv_heads or (0, 0)  # 0, 0: unset, absent from the wire
         return pb.TransferHeader(
             request_id=self.request_id,
             model_id=self.model_id,
@@ -147,28 +168,37 @@ class TransferHeader:
             first_token_top_logprobs=[
                 pb.TokenLogprob(token_id=t, logprob=v) for t, v in self.first_token_top_logprobs
             ],
+            kv_head_start=start,
+            kv_head_end=end,
         )
 
     @classmethod
     def from_proto(cls, msg: pb.TransferHeader) -> TransferHeader:
         """Raises BadHeaderError when the header is inconsistent in itself."""
-        header = cls(
-            request_id=msg.request_id,
-            model_id=msg.model_id,
-            layout=KVLayout.from_proto(msg.layout),
-            block_checksums=tuple(msg.block_checksums),
-            block_hashes=tuple(msg.block_hashes),
-            first_block_index=msg.first_block_index,
-            first_token=msg.first_token,
-            first_token_logprob=(
-                msg.first_token_logprob if msg.HasField("first_token_logprob") else None
-            ),
-            first_token_top_logprobs=tuple(
-                (t.token_id, t.logprob) for t in msg.first_token_top_logprobs
-            ),
-            lease_ms=msg.lease_ms,
-            cluster_token=msg.cluster_token,
-        )
+        layout = KVLayout.from_proto(msg.layout)
+        # kv_head_end 0: unset (a kv_head_start without it is refused below: start >= end)
+        unset = msg.kv_head_end == 0 and msg.kv_head_start == 0
+        try:
+            header = cls(
+                request_id=msg.request_id,
+                model_id=msg.model_id,
+                layout=layout,
+                block_checksums=tuple(msg.block_checksums),
+                block_hashes=tuple(msg.block_hashes),
+                first_block_index=msg.first_block_index,
+                first_token=msg.first_token,
+                first_token_logprob=(
+                    msg.first_token_logprob if msg.HasField("first_token_logprob") else None
+                ),
+                first_token_top_logprobs=tuple(
+                    (t.token_id, t.logprob) for t in msg.first_token_top_logprobs
+                ),
+                lease_ms=msg.lease_ms,
+                cluster_token=msg.cluster_token,
+                kv_heads=None if unset else (msg.kv_head_start, msg.kv_head_end),
+            )
+        except ValueError as exc:  # the KV-head range does not fit the layout
+            raise BadHeaderError(str(exc)) from exc
         if not header.request_id or msg.num_blocks != header.num_blocks:
             raise BadHeaderError("header lacks a request id or its block counts disagree")
         if msg.payload_bytes != header.payload_bytes:
@@ -176,6 +206,23 @@ class TransferHeader:
                 f"payload_bytes {msg.payload_bytes} != {header.num_blocks} blocks of the layout"
             )
         return header
+
+
+def _head_range(kv_heads: HeadRange | None, layout: KVLayout, what: str) -> HeadRange | None:
+    """`kv_heads` as a pair of ints, checked against `layout` (ValueError if it does not
+    fit: an empty range, or one of another width than the layout's)."""
+    if kv_heads is None:
+        return None
+    start, end = kv_heads
+    start, end = int(start), int(end)
+    if not 0 <= start < end:
+        raise ValueError(f"{what} KV heads [{start}, {end}) are no range of heads")
+    if end - start != layout.num_kv_heads:
+        raise ValueError(
+            f"{what} KV heads [{start}, {end}) are {end - start} heads, its layout has "
+            f"{layout.num_kv_heads}"
+        )
+    return start, end
 
 
 # glibc mallopt parameters
@@ -301,8 +348,13 @@ def make_header(
     first_token_logprob: float | None = None,
     first_token_top_logprobs: tuple[tuple[int, float], ...] = (),
     lease_ms: int = 30_000,
+    kv_heads: HeadRange | None = None,
 ) -> TransferHeader:
-    """The header of `payload`, its checksums computed."""
+    """The header of `payload`, its checksums computed.
+
+    `kv_heads`: the global KV heads the payload holds, when it is one part of the KV
+    (`layout` is then the part's: `num_kv_heads` = its width).
+    """
     num_blocks, rest = divmod(as_bytes(payload).size, layout.block_bytes)
     if rest:
         raise ValueError(f"payload is not a whole number of {layout.block_bytes}-byte blocks")
@@ -318,6 +370,7 @@ def make_header(
         first_token_top_logprobs=first_token_top_logprobs,
         lease_ms=lease_ms,
         cluster_token=cluster_token,
+        kv_heads=kv_heads,
     )
 
 
@@ -370,35 +423,85 @@ class BufferPool:
                 self._free.append(base)
 
 
-@dataclass
-class ReceivedKV:
-    """Verified KV handed to the decode side by `claim`; the caller owns `payload`.
-
-    Call `release()` once the payload is copied into the KV cache: the buffer is then
-    reused for a later transfer (do not touch `payload` after that).
-    """
+@dataclass(frozen=True)
+class ReceivedPart:
+    """One part of a request's verified KV: the payload of KV heads `kv_heads` (global
+    indices), laid out as `header.layout` (whose `num_kv_heads` is the part's width)."""
 
     header: TransferHeader
     payload: np.ndarray  # uint8, header.payload_bytes long, layout as kv_pack's buffer
-    stats: TransferStats
+    kv_heads: HeadRange  # header.head_range
+
+
+@dataclass
+class ReceivedKV:
+    """Verified KV handed to the decode side by `claim`; the caller owns the payloads.
+
+    `parts` (by head start) tile the receiver's KV heads: one part unless the sender
+    side split the heads (tensor parallelism). `header` is the lowest part's (the fields
+    every part must agree on are equal), `stats` covers all parts.
+
+    Call `release()` once the payloads are copied into the KV cache: the buffers are then
+    reused for later transfers (do not touch any payload after that).
+    """
+
+    header: TransferHeader
+    parts: tuple[ReceivedPart, ...]
+    stats: TransferStats  # bytes over all parts; blocks per part; first begin to last finish
     pool: BufferPool | None = field(default=None, repr=False)
+
+    @property
+    def payload(self) -> np.ndarray:
+        """The one part's payload; ValueError for KV in several parts (read `parts`:
+        no one part holds every head)."""
+        if len(self.parts) != 1:
+            ranges = ", ".join(f"[{a}, {b})" for a, b in (p.kv_heads for p in self.parts))
+            raise ValueError(
+                f"the KV of {self.header.request_id!r} came in {len(self.parts)} parts (KV "
+                f"heads {ranges}): read `parts`, each holds the payload of its own heads"
+            )
+        return self.parts[0].payload
 
     def release(self) -> None:
         if self.pool is not None:
-            self.pool.give(self.payload)
+            for part in self.parts:
+                self.pool.give(part.payload)
             self.pool = None
 
 
 @dataclass(frozen=True)
 class ReceiverConfig:
     cluster_token: str
-    layout: KVLayout
+    layout: KVLayout  # of all the KV heads this receiver owns
     host: str = "127.0.0.1"  # NOTE: never all interfaces unless configured
     port: int = 0  # 0: any free port
-    max_payload_bytes: int = 8 << 30
+    max_payload_bytes: int = 8 << 30  # per transfer (a part, under tensor parallelism)
     max_lease_s: float = 60.0
     expect_timeout_s: float = 60.0
     buffer_pool_bytes: int = 1 << 30  # released buffers kept for reuse
+    # The global KV heads this receiver owns (a tensor-parallel rank's); None: heads
+    # [0, layout.num_kv_heads). layout.num_kv_heads is the range's width either way.
+    kv_heads: HeadRange | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_heads", _head_range(self.kv_heads, self.layout, "receiver"))
+
+    @property
+    def head_range(self) -> HeadRange:
+        """The global KV heads [start, end) this receiver owns."""
+        return self.kv_heads if self.kv_heads is not None else (0, self.layout.num_kv_heads)
+
+
+@dataclass
+class _Part:
+    """One transfer of an expected request: the KV heads of its header."""
+
+    header: TransferHeader
+    buffer: np.ndarray | None  # in flight or buffered; None once freed or handed over
+    lease_timer: asyncio.TimerHandle | None
+    started_s: float
+    writer_done: bool = False  # the backend finished or failed: no more writes to buffer
+    finished_s: float | None = None  # when its bytes were verified
 
 
 @dataclass
@@ -407,13 +510,9 @@ class _Slot:
 
     future: asyncio.Future[ReceivedKV]
     timer: asyncio.TimerHandle
-    buffer: np.ndarray | None = None  # in flight or buffered
-    header: TransferHeader | None = None
-    started_s: float = 0.0
-    lease_timer: asyncio.TimerHandle | None = None
-    writer_done: bool = False  # the backend finished or failed: no more writes to buffer
     model_id: str | None = None  # what the header must say, when the expectation knows
     block_hashes: tuple[bytes, ...] | None = None  # the prompt's full blocks, from block 0
+    parts: dict[int, _Part] = field(default_factory=dict)  # by head start
 
 
 class ReceiverCore:
@@ -421,7 +520,14 @@ class ReceiverCore:
 
     A backend calls `begin` when a header arrives (gets a buffer to fill or a typed
     error to send back), then `finish` when all bytes are in, or `fail` if the stream
-    broke. Decode-side code calls `expect`, `claim` and `cancel`.
+    broke, naming the transfer by the header `begin` accepted. Decode-side code calls
+    `expect`, `claim` and `cancel`.
+
+    Parts: a request's KV may come as several transfers, each holding a range of KV
+    heads inside the receiver's own (`ReceiverConfig.kv_heads`), from several senders
+    at once. Each has its own buffer and lease; the claim gets them all once the
+    verified parts tile the receiver's range. A part that fails (or differs from
+    another in what they must share) fails the request and frees every part.
     """
 
     def __init__(
@@ -431,7 +537,7 @@ class ReceiverCore:
         on_lease_end: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
-        self._on_transfer = on_transfer  # metrics hook: every verified transfer
+        self._on_transfer = on_transfer  # metrics hook: every verified transfer (part)
         self.on_lease_end = on_lease_end  # metrics hook: KV freed because its lease ended
         self.pool = BufferPool(config.buffer_pool_bytes)
         self._slots: dict[str, _Slot] = {}
@@ -489,7 +595,8 @@ class ReceiverCore:
             raise TransferTimeoutError(f"no KV for {request_id!r} within {timeout_s}s") from None
         finally:
             if slot.future.done() and not slot.future.exception():
-                slot.buffer = None  # handed over to the caller
+                for part in slot.parts.values():
+                    part.buffer = None  # handed over to the caller
             self._drop(request_id)
         received.pool = self.pool
         return received
@@ -514,12 +621,21 @@ class ReceiverCore:
 
     @property
     def num_buffered_bytes(self) -> int:
-        return sum(s.buffer.size for s in self._slots.values() if s.buffer is not None)
+        return sum(
+            p.buffer.size
+            for s in self._slots.values()
+            for p in s.parts.values()
+            if p.buffer is not None
+        )
 
     # -- backend side ------------------------------------------------------------
 
     def check(self, header: TransferHeader) -> None:
         """The checks of a header that need no request state: token, layout, size.
+
+        The layout must be the receiver's but for `num_kv_heads` (a part's width), and
+        the header's KV heads must lie in the receiver's; a header without `kv_heads`
+        holds every head, so its layout must be the receiver's exactly.
 
         Safe from any thread (it reads only the config). Raises UnauthorizedError,
         LayoutMismatchError or PayloadTooLargeError.
@@ -527,62 +643,87 @@ class ReceiverCore:
         cfg = self.config
         if not hmac.compare_digest(header.cluster_token.encode(), cfg.cluster_token.encode()):
             raise UnauthorizedError("wrong cluster token")
-        if header.layout != cfg.layout:
+        width_aside = replace(header.layout, num_kv_heads=cfg.layout.num_kv_heads)
+        if width_aside != cfg.layout or (header.kv_heads is None and header.layout != cfg.layout):
             raise LayoutMismatchError(f"layout {header.layout} != receiver's {cfg.layout}")
+        (start, end), (own_start, own_end) = header.head_range, cfg.head_range
+        if not own_start <= start < end <= own_end:
+            raise LayoutMismatchError(
+                f"KV heads [{start}, {end}) are not this receiver's [{own_start}, {own_end})"
+            )
         if header.payload_bytes > cfg.max_payload_bytes:
             raise PayloadTooLargeError(f"{header.payload_bytes} bytes > {cfg.max_payload_bytes}")
 
     def begin(self, header: TransferHeader, buffer: np.ndarray | None = None) -> np.ndarray:
-        """Validate a header and return the buffer its payload goes into.
+        """Validate a header (a part: its KV heads) and return the buffer its payload
+        goes into.
 
         `buffer`: one the backend already took from `pool` (exactly `payload_bytes`
         long) to receive into before this call; the core owns it from here on. On a
         refusal the caller keeps it.
 
         Raises UnauthorizedError, LayoutMismatchError, UnknownRequestError,
-        DuplicateTransferError, PayloadTooLargeError or KVMismatchError; nothing is
-        held then. A KVMismatchError also fails the expectation (the claimer gets it):
-        a sender with the cluster token pushed KV that is not this request's, so the
-        right KV will not come.
+        DuplicateTransferError (a part of the request with any of these heads has begun
+        already), PayloadTooLargeError or KVMismatchError; nothing is held then. A
+        KVMismatchError also fails the expectation (the claimer gets it): a sender with
+        the cluster token pushed KV that is not this request's, or a part that differs
+        from another part in what they must share, so the right KV will not come.
         """
         self.check(header)
         if buffer is not None and buffer.size != header.payload_bytes:
             raise ValueError(f"buffer of {buffer.size} bytes for {header.payload_bytes}")
-        cfg = self.config
-        slot = self._slots.get(header.request_id)
+        request_id = header.request_id
+        slot = self._slots.get(request_id)
         if slot is None or slot.future.done():
-            raise UnknownRequestError(f"request {header.request_id!r} is not expected here")
-        if slot.buffer is not None:
-            raise DuplicateTransferError(f"a transfer for {header.request_id!r} is under way")
+            raise UnknownRequestError(f"request {request_id!r} is not expected here")
+        start, end = header.head_range
+        for part in slot.parts.values():
+            a, b = part.header.head_range
+            if a < end and start < b:
+                raise DuplicateTransferError(
+                    f"a transfer of KV heads [{a}, {b}) for {request_id!r} has begun already"
+                )
         mismatch = _mismatch(slot, header)
+        if mismatch is None and slot.parts:
+            mismatch = _parts_differ(next(iter(slot.parts.values())).header, header)
         if mismatch is not None:
-            error = KVMismatchError(f"request {header.request_id!r}: {mismatch}")
-            self.fail(header.request_id, error)
+            error = KVMismatchError(f"request {request_id!r}: {mismatch}")
+            self.fail(request_id, error)
             raise error
-        lease_s = min(header.lease_ms / 1000, cfg.max_lease_s)
-        slot.timer.cancel()  # from here on the lease bounds the wait
-        slot.header, slot.started_s = header, time.monotonic()
-        slot.buffer = self.pool.take(header.payload_bytes) if buffer is None else buffer
-        slot.lease_timer = asyncio.get_running_loop().call_later(
-            lease_s, self._expire_lease, header.request_id
+        lease_s = min(header.lease_ms / 1000, self.config.max_lease_s)
+        slot.timer.cancel()  # from here on the leases bound the wait
+        part = _Part(
+            header,
+            self.pool.take(header.payload_bytes) if buffer is None else buffer,
+            asyncio.get_running_loop().call_later(lease_s, self._expire_lease, request_id),
+            time.monotonic(),
         )
-        return slot.buffer
+        slot.parts[start] = part
+        assert part.buffer is not None
+        return part.buffer
 
     def finish(
-        self, request_id: str, num_bytes: int, checksums: tuple[int, ...] | None = None
+        self, header: TransferHeader, num_bytes: int, checksums: tuple[int, ...] | None = None
     ) -> TransferStats:
-        """All bytes are in: verify them and hand them to the claimer.
+        """All bytes of the transfer of `header` (the one `begin` accepted) are in:
+        verify them; hand the request's KV to the claimer once its parts are complete.
 
         `checksums` are the payload's block checksums if the backend computed them as
-        the bytes arrived (`BlockHasher`); else they are computed here.
+        the bytes arrived (`BlockHasher`); else they are computed here. Returns this
+        transfer's stats.
 
-        Raises TruncatedError or ChecksumMismatchError (the data is freed, and the
-        claimer gets the same error).
+        Raises UnknownRequestError if the transfer is not under way (any more: its
+        request failed or was cancelled), TruncatedError or ChecksumMismatchError (the
+        request's data is freed, and the claimer gets the same error).
         """
-        slot = self._slots.get(request_id)
-        if slot is None or slot.header is None or slot.buffer is None:
-            raise UnknownRequestError(f"no transfer under way for {request_id!r}")
-        header, buffer = slot.header, slot.buffer
+        found = self._part(header)
+        buffer = None if found is None or found[1].finished_s is not None else found[1].buffer
+        if found is None or buffer is None:
+            start, end = header.head_range
+            raise UnknownRequestError(
+                f"no transfer of KV heads [{start}, {end}) under way for {header.request_id!r}"
+            )
+        slot, part = found
         try:
             if num_bytes != header.payload_bytes:
                 raise TruncatedError(f"got {num_bytes} of {header.payload_bytes} bytes")
@@ -597,30 +738,87 @@ class ReceiverCore:
             if bad:
                 raise ChecksumMismatchError(f"checksum mismatch in blocks {bad[:8]}")
         except TransferError as exc:
-            self.fail(request_id, exc)
+            self.fail(header, exc)
             raise
-        slot.writer_done = True
+        part.writer_done = True
+        part.finished_s = time.monotonic()
         stats = TransferStats(
-            request_id, num_bytes, header.num_blocks, time.monotonic() - slot.started_s
+            header.request_id, num_bytes, header.num_blocks, part.finished_s - part.started_s
         )
-        slot.future.set_result(ReceivedKV(header, buffer, stats))
+        self._complete(slot)
         if self._on_transfer is not None:
             self._on_transfer(stats)
         return stats
 
-    def fail(self, request_id: str, error: TransferError, writer_done: bool = True) -> None:
-        """The backend ended a broken transfer: free its bytes and tell the claimer.
+    def fail(
+        self, part: TransferHeader | str, error: TransferError, writer_done: bool = True
+    ) -> None:
+        """End a request with `error`: free the bytes of all its parts and tell the
+        claimer. No-op for a request (or transfer) that is not under way.
 
-        The backend must not write into the buffer after this call; if it cannot promise
-        that (`writer_done=False`), the buffer is dropped rather than reused.
+        `part`: the header `begin` accepted, when a backend ends a broken transfer; the
+        backend must not write into that buffer after this call, and if it cannot
+        promise that (`writer_done=False`), the buffer is dropped rather than reused.
+        Or a request id, to fail the whole request by name: a part whose writer is still
+        busy then has its buffer dropped, not reused (`writer_done` is not used).
         """
+        if isinstance(part, TransferHeader):
+            found = self._part(part)
+            if found is None or found[1].finished_s is not None:
+                return  # already ended, or verified: its writer has reported
+            found[1].writer_done = writer_done
+            request_id = part.request_id
+        else:
+            request_id = part
         slot = self._slots.get(request_id)
         if slot is not None:
-            slot.writer_done = writer_done
-            self._free(slot)
-            _set_error(slot.future, error)
+            self._end(request_id, slot, error)
 
     # -- internals ---------------------------------------------------------------
+
+    def _part(self, header: TransferHeader) -> tuple[_Slot, _Part] | None:
+        """The slot and part of the transfer `begin` accepted with `header`, if held."""
+        slot = self._slots.get(header.request_id)
+        part = None if slot is None else slot.parts.get(header.head_range[0])
+        if slot is None or part is None or part.header is not header:
+            return None
+        return slot, part
+
+    def _complete(self, slot: _Slot) -> None:
+        """Hand the request's KV to the claimer if its verified parts tile this
+        receiver's heads (parts lie inside them and never overlap: widths suffice)."""
+        done = sorted(
+            (p for p in slot.parts.values() if p.finished_s is not None),
+            key=lambda p: p.header.head_range[0],
+        )
+        own_start, own_end = self.config.head_range
+        if sum(p.header.layout.num_kv_heads for p in done) != own_end - own_start:
+            return
+        parts = tuple(
+            ReceivedPart(p.header, p.buffer, p.header.head_range)
+            for p in done
+            if p.buffer is not None
+        )
+        first = done[0].header
+        stats = TransferStats(
+            first.request_id,
+            sum(p.header.payload_bytes for p in done),
+            first.num_blocks,
+            max(p.finished_s or 0.0 for p in done) - min(p.started_s for p in done),
+        )
+        slot.future.set_result(ReceivedKV(first, parts, stats))
+
+    def _end(self, request_id: str, slot: _Slot, error: TransferError) -> None:
+        """Fail a request: free every part, and tell a claim (even after its KV was
+        verified) why; the failed slot stays for a claim to read until the
+        expectation's own timeout."""
+        self._free(slot)
+        loop = asyncio.get_running_loop()
+        if slot.future.done() and slot.future.exception() is None:
+            slot.future = loop.create_future()  # the verified KV is gone
+        _set_error(slot.future, error)
+        if slot.timer.cancelled():  # a transfer had begun
+            slot.timer = loop.call_later(self.config.expect_timeout_s, self._drop, request_id)
 
     def _expire(self, request_id: str, why: str) -> None:
         slot = self._slots.get(request_id)
@@ -632,32 +830,38 @@ class ReceiverCore:
         self._drop(request_id)
 
     def _expire_lease(self, request_id: str) -> None:
+        """A part's lease ended: free the request's KV, verified or not."""
         slot = self._slots.get(request_id)
         if slot is None:
             return
-        verified = slot.future.done() and slot.future.exception() is None
-        self._free(slot)
-        if verified:  # buffered but never claimed: a late claim learns why it is gone
-            slot.future = asyncio.get_running_loop().create_future()
-            _set_error(slot.future, LeaseExpiredError(f"lease of {request_id!r} ended"))
+        error: TransferError
+        if slot.future.done() and slot.future.exception() is None:
+            # buffered but never claimed: a late claim learns why it is gone
+            error = LeaseExpiredError(f"lease of {request_id!r} ended")
         else:
-            _set_error(slot.future, TruncatedError(f"{request_id!r} incomplete at lease end"))
-        # the failed slot stays for a claim to read, until the expectation's own timeout
-        slot.timer.cancel()
-        slot.timer = asyncio.get_running_loop().call_later(
-            self.config.expect_timeout_s, self._drop, request_id
-        )
+            done = sorted(
+                p.header.head_range for p in slot.parts.values() if p.finished_s is not None
+            )
+            arrived = ", ".join(f"[{a}, {b})" for a, b in done) or "none"
+            own_start, own_end = self.config.head_range
+            error = TruncatedError(
+                f"{request_id!r} incomplete at lease end (KV heads verified: {arrived}; "
+                f"this receiver's: [{own_start}, {own_end}))"
+            )
+        self._end(request_id, slot, error)
         if self.on_lease_end is not None:
             self.on_lease_end(request_id)
 
     def _free(self, slot: _Slot) -> None:
-        if slot.buffer is not None and slot.writer_done:
-            self.pool.give(slot.buffer)
-        # NOTE: a buffer a backend may still write into is only dropped, never pooled.
-        slot.buffer = None
-        if slot.lease_timer is not None:
-            slot.lease_timer.cancel()
-            slot.lease_timer = None
+        for part in slot.parts.values():
+            if part.buffer is not None and part.writer_done:
+                self.pool.give(part.buffer)
+            # NOTE: a buffer a backend may still write into is only dropped, never pooled.
+            part.buffer = None
+            if part.lease_timer is not None:
+                part.lease_timer.cancel()
+                part.lease_timer = None
+        slot.parts.clear()
 
     def _drop(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
@@ -687,6 +891,28 @@ def _mismatch(slot: _Slot, header: TransferHeader) -> str | None:
                 f"{header.first_block_index + bad} ({len(header.block_hashes)} sent from "
                 f"block {header.first_block_index}, {len(want)} expected)"
             )
+    return None
+
+
+# what every part of one request must agree on: one prefill's blocks, one first token
+_SHARED_BY_PARTS = (
+    "model_id",
+    "num_blocks",
+    "first_block_index",
+    "block_hashes",
+    "first_token",
+    "first_token_logprob",
+    "first_token_top_logprobs",
+)
+
+
+def _parts_differ(earlier: TransferHeader, header: TransferHeader) -> str | None:
+    """How part `header` differs from an `earlier` part of the same request (None: in
+    nothing they must share)."""
+    for name in _SHARED_BY_PARTS:
+        if getattr(header, name) != getattr(earlier, name):
+            (a, b), (c, d) = header.head_range, earlier.head_range
+            return f"part of KV heads [{a}, {b}) differs from part [{c}, {d}) in {name}"
     return None
 
 

@@ -163,15 +163,15 @@ class GrpcReceiver(KVReceiver):
             await progress.fill(stream, lease_s)
             if not drain and await anext(stream, None) is not None:
                 raise BadHeaderError("a message follows the payload")
-            self.core.finish(header.request_id, progress.received, progress.checksums())
+            self.core.finish(header, progress.received, progress.checksums())
         except TransferError as exc:
-            self.core.fail(header.request_id, exc)  # no-op when finish already failed it
+            self.core.fail(header, exc)  # no-op when finish already failed it
             # in step if the payload was read whole (a bad checksum, a cancelled request)
             whole = progress.received == buffer.size and not isinstance(exc, BadHeaderError)
             return ack_for(exc, progress.received), whole
         except BaseException:  # cancelled: the sender went away or the server stops
             why = f"stream broke after {progress.received} of {buffer.size} bytes"
-            self.core.fail(header.request_id, TruncatedError(why))
+            self.core.fail(header, TruncatedError(why))
             raise
         return ack_for(None, progress.received), True
 

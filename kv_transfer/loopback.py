@@ -78,7 +78,7 @@ class LoopbackSender(KVSender):
         data = as_bytes(payload)
         num_bytes = min(data.size, buffer.size)
         buffer[:num_bytes] = data[:num_bytes]
-        stats = core.finish(header.request_id, data.size)  # raises the receiver's verdict
+        stats = core.finish(header, data.size)  # raises the receiver's verdict
         return TransferStats(
             header.request_id, stats.num_bytes, stats.num_blocks, time.monotonic() - start
         )

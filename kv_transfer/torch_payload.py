@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.base import HeadRange, KVLayout, ReceivedKV
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -41,3 +43,19 @@ def payload_tensor(data: np.ndarray, layout: KVLayout) -> torch.Tensor:
     shape = (layout.num_layers, 2, num_blocks, layout.num_kv_heads, layout.block_size)
     flat = torch.from_numpy(data).view(DTYPES[layout.dtype])
     return flat.view(*shape, layout.head_dim)
+
+
+def part_layout(layout: KVLayout, kv_heads: HeadRange) -> KVLayout:
+    """The layout of a part holding KV heads `kv_heads` [start, end) of `layout`'s blocks:
+    the same but for `num_kv_heads`, the range's width (a part's header carries it)."""
+    start, end = kv_heads
+    if not 0 <= start < end:
+        raise ValueError(f"KV heads [{start}, {end}) are no range of heads")
+    return replace(layout, num_kv_heads=end - start)
+
+
+def received_tensors(received: ReceivedKV) -> list[tuple[HeadRange, torch.Tensor]]:
+    """Each part of `received`, by head start, as (its global KV heads, its payload as
+    [layers, 2, n, its heads, block_size, head_dim]), without a copy: the pieces a
+    decode rank copies into its cache, whether the KV came in one part or several."""
+    return [(p.kv_heads, payload_tensor(p.payload, p.header.layout)) for p in received.parts]

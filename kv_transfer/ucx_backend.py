@@ -505,12 +505,12 @@ class UcxReceiver(KVReceiver):
             error = TruncatedError(f"stream of {request_id!r} broke: {why!r}")
             clean = await self._abandon(ep, recvs)
             try:
-                await self._core(self.core.fail, request_id, error, clean)
+                await self._core(self.core.fail, header, error, clean)
             except Exception as fail_exc:  # core's loop gone: it freed everything
                 logger.debug("UCX: receiver gone while failing %r: %r", request_id, fail_exc)
             raise
         try:
-            await self._core(self.core.finish, request_id, int(buffer.size), hasher.checksums())
+            await self._core(self.core.finish, header, int(buffer.size), hasher.checksums())
             ack = ack_for(None, int(buffer.size))
         except TransferError as exc:
             ack = ack_for(exc, int(buffer.size))

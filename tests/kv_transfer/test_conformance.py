@@ -346,8 +346,8 @@ def test_sender_killed_mid_stream_frees_the_partial_transfer(socket_transport: A
             begun.set()
             return buffer
 
-        def fail_and_tell(request_id: str, error: TransferError) -> None:
-            fail(request_id, error)  # the backend saw the stream break
+        def fail_and_tell(part: TransferHeader | str, error: TransferError, *args: Any) -> None:
+            fail(part, error, *args)  # the backend saw the stream break
             freed.set()
 
         core.begin, core.fail = begin_and_tell, fail_and_tell
