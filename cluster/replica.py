@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 import torch
@@ -23,6 +23,9 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.base import tune_malloc
+
+if TYPE_CHECKING:
+    from pdserve.cluster.tp_ranks import RayRankLauncher
 
 logger = logging.getLogger(__name__)
 _AUTOSCALING_STATS = (
@@ -71,8 +74,25 @@ class WorkerReplica:
         os.environ.setdefault("OMP_NUM_THREADS", str(self.config.num_threads))
         tune_malloc()  # KV transfers allocate a buffer per message (kv_transfer/base.py)
         self.worker_id = worker_id or replica_id()
+        engine_config = self.config.engine_config(self.role)
+        # tensor parallel: ranks 1.. are actors in this replica's placement group
+        self.rank_launcher: RayRankLauncher | None = None
+        if engine_config.tensor_parallel_size > 1:
+            from pdserve.cluster.tp_ranks import RayRankLauncher
+
+            resources = (
+                self.config.prefill_resources
+                if self.role == "prefill"
+                else self.config.decode_resources
+            )
+            self.rank_launcher = RayRankLauncher(
+                num_cpus=self.config.replica_num_cpus,
+                num_gpus=self.config.replica_num_gpus,
+                resources=dict(resources),
+                start_timeout_s=engine_config.distributed_timeout_s,
+            )
         self.engine = AsyncEngine(
-            LLMEngine(self.config.model, self.config.engine_config()),
+            LLMEngine(self.config.model, engine_config, rank_launcher=self.rank_launcher),
             hold_above_streams=self.config.stream_hold_above,
         )
         self.redis = aioredis.Redis.from_url(
@@ -112,22 +132,31 @@ class WorkerReplica:
         """Exact live state of this worker (the router's `/workers`, tests, benchmarks)."""
         load: dict[str, Any] = await self.engine.call(lambda e: e.load())
         generation = self.member.generation if self.member is not None else None
-        return {
+        out = {
             **load,
             "worker_id": self.worker_id,
             "role": self.role,
             "generation": generation or 0,
             "pid": os.getpid(),
         }
+        if self.rank_launcher is not None:
+            out["tensor_parallel"] = await self.engine.call(_parallel_load)
+        return out
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics hook (`deploy/autoscaling.py` reads them)."""
         load = await self.engine.call(lambda e: e.load())
         return {name: float(load[name]) for name in _AUTOSCALING_STATS}
 
-    def check_health(self) -> None:
-        """Ray Serve's health probe: a dead engine thread makes the replica unhealthy."""
+    async def check_health(self) -> None:
+        """Ray Serve's health probe: a dead engine thread (a failed step: with tensor
+        parallelism, also a lost rank) makes the replica unhealthy; it leaves the index
+        at once, so placement stops choosing it before Serve replaces it."""
         if self.engine.closed:
+            if self.member is not None:
+                with contextlib.suppress(Exception):  # Redis down: the lease ends it
+                    await self.member.stop()
+                self.member = None
             raise RuntimeError("the engine thread has stopped")
 
     async def shutdown(self) -> None:
@@ -135,3 +164,28 @@ class WorkerReplica:
             await self.member.stop()
         await self.engine.close()
         await self.redis.aclose()
+
+
+def _parallel_load(engine: LLMEngine) -> dict[str, Any]:
+    """A tensor-parallel replica's ranks for `/workers`: each rank's pid, weight and KV
+    bytes, and the driver's collective time per step."""
+    stats = engine.parallel_stats()
+    workers = engine.tp_workers
+    pids = [os.getpid(), *(workers.pids if workers is not None else [])]
+    return {
+        "size": stats.tensor_parallel_size,
+        "ranks": [
+            {
+                "rank": r.rank,
+                "pid": pid,
+                "weight_bytes": r.weight_bytes,
+                "sharded_weight_bytes": r.sharded_weight_bytes,
+                "replicated_weight_bytes": r.replicated_weight_bytes,
+                "kv_cache_bytes": r.kv_cache_bytes,
+            }
+            for r, pid in zip(stats.ranks, pids, strict=True)
+        ],
+        "steps": stats.steps,
+        "all_reduce_ms_per_step": round(stats.all_reduce_s_per_step * 1000, 3),
+        "collective_ms_per_step": round(stats.collective_s_per_step * 1000, 3),
+    }

@@ -31,6 +31,7 @@ prefilled itself) and `pdserve.decode.stream` (first token to the last) children
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -70,25 +71,32 @@ class DecodeServer(WorkerReplica):
     async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]
         super().__init__(config)
         cfg = self.config
-        receiver = make_receiver(
-            cfg.transport,
-            ReceiverConfig(
-                cluster_token=cfg.cluster_token,
-                layout=layout_of(self.engine.engine.runner.kv_cache),
-                host=resolve_transfer_host(cfg.transfer_host),
-                max_lease_s=max(cfg.kv_wait_timeout_s, 1.0),
-                expect_timeout_s=cfg.kv_wait_timeout_s,
-            ),
-            tls=cfg.transfer_tls(),
+        engine = self.engine.engine
+        receiver_config = ReceiverConfig(
+            cluster_token=cfg.cluster_token,
+            layout=layout_of(engine.runner.kv_cache),
+            kv_heads=engine.kv_head_range,
+            host=resolve_transfer_host(cfg.transfer_host),
+            max_lease_s=max(cfg.kv_wait_timeout_s, 1.0),
+            expect_timeout_s=cfg.kv_wait_timeout_s,
         )
-        self.worker = DecodeWorker(self.engine, receiver, cfg.kv_wait_timeout_s)
+        tls = cfg.transfer_tls()
+        receiver = make_receiver(cfg.transport, receiver_config, tls=tls)
+        # tensor parallel: every rank receives its own KV heads (cluster/tp_ranks.py)
+        ranks = start_ranks = None
+        if self.rank_launcher is not None:
+            from pdserve.cluster.tp_ranks import RankReceivers
+
+            ranks = RankReceivers(self.rank_launcher.actors, engine.kv_head_ranges())
+            start_ranks = functools.partial(ranks.start, cfg.transport, receiver_config, tls)
+        self.worker = DecodeWorker(self.engine, receiver, cfg.kv_wait_timeout_s, ranks)
         # request id -> the reason the router gave `cancel_kv` (None until it does), for
         # each request of this replica that expects KV and has not produced a token yet
         self._awaiting_kv: dict[str, str | None] = {}
         self._log = OncePerCause(logger)
         self.channels = Channels()
         self.tracer = tracing.tracer("decode")  # None unless OTEL_* variables ask for it
-        self.address = await self.worker.start()
+        self.address = await self.worker.start(start_ranks)
         await self.join_index(self.address)
 
     async def channel(
@@ -124,7 +132,7 @@ class DecodeServer(WorkerReplica):
             return {"type": "no_channel", "worker_id": self.worker_id}
         if request_id in channel.tasks:
             raise ValueError(f"request {request_id} is running on this channel already")
-        accepted = self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s)
+        accepted = await self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s)
         channel.tasks[request_id] = asyncio.create_task(
             self._run(
                 channel,
@@ -190,7 +198,7 @@ class DecodeServer(WorkerReplica):
         call (a Serve stream per request, as benchmarks/router_overhead.py measures).
         `kv_expected`, `kv_wait_s`, `trace`: as `submit`'s.
         """
-        accepted = self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s)
+        accepted = await self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s)
         try:
             yield accepted
             async for item in self._outputs(
@@ -200,7 +208,7 @@ class DecodeServer(WorkerReplica):
         finally:
             self._release(request_id, accepted["kv_expected"])
 
-    def _accept(
+    async def _accept(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -218,7 +226,7 @@ class DecodeServer(WorkerReplica):
         kv_expected = kv_expected and self.config.mode == "disagg"
         if kv_expected:
             try:
-                self.worker.expect_kv(request_id, prompt_token_ids, kv_wait_s)
+                await self.worker.expect_kv_all(request_id, prompt_token_ids, kv_wait_s)
             except TransferError as exc:  # e.g. the id is expected here already
                 why = "%s: cannot take KV here (%r); prefilling locally"
                 self._log.log("not_target", why, request_id, exc)
@@ -343,7 +351,7 @@ class DecodeServer(WorkerReplica):
     def _release(self, request_id: str, kv_expected: bool) -> None:
         self._awaiting_kv.pop(request_id, None)
         if kv_expected:
-            self.worker.receiver.cancel(request_id)  # idempotent; frees late KV
+            self.worker.cancel_kv(request_id)  # idempotent; frees late KV
 
     def _local_prefill_reason(self, request_id: str, info: dict[str, Any]) -> str:
         """Why expected KV was not used (a label of the router's local-prefill counter)."""
@@ -372,7 +380,7 @@ class DecodeServer(WorkerReplica):
         sees whether the call reached the replica that waits."""
         if request_id in self._awaiting_kv:
             self._awaiting_kv[request_id] = reason
-        self.worker.receiver.cancel(request_id)
+        self.worker.cancel_kv(request_id)
         return self.worker_id
 
     async def index_load(self) -> dict[str, int]:

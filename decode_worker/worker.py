@@ -9,10 +9,12 @@ tokens either way (docs/kv-handoff.md).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.hashing import hash_block_chain
@@ -23,23 +25,39 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import TokenLogprobs
 from pdserve.kv_transfer.base import KVReceiver, ReceivedKV
 from pdserve.kv_transfer.errors import TransferError
-from pdserve.kv_transfer.torch_payload import payload_tensor
+from pdserve.kv_transfer.torch_payload import received_tensors
+
+if TYPE_CHECKING:  # ray is imported only where ranks are actors
+    from pdserve.cluster.tp_ranks import RankReceivers
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeWorker:
     def __init__(
-        self, engine: AsyncEngine, receiver: KVReceiver, kv_wait_timeout_s: float = 10.0
+        self,
+        engine: AsyncEngine,
+        receiver: KVReceiver,
+        kv_wait_timeout_s: float = 10.0,
+        ranks: RankReceivers | None = None,
     ) -> None:
+        """`ranks`: a tensor-parallel replica's other ranks, each with its own receiver
+        for its own KV heads (cluster/tp_ranks.py); `receiver` is rank 0's."""
         self.engine = engine
         self.receiver = receiver
+        self.ranks = ranks
         self.kv_wait_timeout_s = kv_wait_timeout_s
         self.num_local_fallbacks = 0
 
-    async def start(self) -> str:
-        """Start the transfer receiver; return its address (announced in the index)."""
-        return await self.receiver.start()
+    async def start(self, start_ranks: Any = None) -> str:
+        """Start the transfer receiver(s); return the address announced in the index.
+
+        `start_ranks(local_address)`: with tensor parallelism, starts the other ranks'
+        receivers and returns the replica's address (`RankReceivers.start`)."""
+        address = await self.receiver.start()
+        if start_ranks is not None:
+            address = str(await start_ranks(address))
+        return address
 
     def kv_wait(self, wait_s: float | None) -> float:
         """How long to wait for a request's KV: `wait_s`, at most `kv_wait_timeout_s`."""
@@ -59,6 +77,30 @@ class DecodeWorker:
         self.receiver.expect(
             request_id, self.kv_wait(wait_s), model_id=engine.model_id, block_hashes=chain
         )
+
+    async def expect_kv_all(
+        self, request_id: str, prompt_token_ids: Sequence[int], wait_s: float | None = None
+    ) -> None:
+        """`expect_kv` on every rank (awaited: no part may arrive before its rank expects
+        it). Raises TransferError, nothing expected anywhere, when a rank refuses."""
+        self.expect_kv(request_id, prompt_token_ids, wait_s)
+        if self.ranks is None:
+            return
+        engine = self.engine.engine
+        chain = hash_block_chain(prompt_token_ids, engine.config.block_size, engine.hash_namespace)
+        try:
+            await self.ranks.expect(request_id, self.kv_wait(wait_s), engine.model_id, chain)
+        except Exception as exc:
+            self.cancel_kv(request_id)
+            if isinstance(getattr(exc, "cause", None), TransferError):
+                raise exc.cause from exc  # type: ignore[attr-defined]
+            raise TransferError(f"a tensor-parallel rank cannot expect KV: {exc!r}") from exc
+
+    def cancel_kv(self, request_id: str) -> None:
+        """Forget `request_id`'s KV on every rank: what arrived or arrives is freed."""
+        self.receiver.cancel(request_id)
+        if self.ranks is not None:
+            self.ranks.cancel(request_id)
 
     async def generate(
         self,
@@ -87,7 +129,7 @@ class DecodeWorker:
         def start(engine: LLMEngine) -> RequestOutput | None:
             if received is not None:
                 header = received.header
-                payload = payload_tensor(received.payload, header.layout)
+                payload = received_tensors(received)
                 first_lp = None
                 if header.first_token_logprob is not None:
                     first_lp = TokenLogprobs(
@@ -127,12 +169,51 @@ class DecodeWorker:
     async def _claim(
         self, request_id: str, info: dict[str, Any], wait_s: float | None
     ) -> ReceivedKV | None:
-        try:
-            return await self.receiver.claim(request_id, self.kv_wait(wait_s))
-        except TransferError as exc:
-            info["kv_error"] = exc
-            logger.debug("%s: no usable KV (%s); prefilling here", request_id, exc)
-            return None
+        """This rank's received KV, once every rank has claimed its own (None, all of it
+        dropped, when any claim failed: the request is prefilled here)."""
+        timeout = self.kv_wait(wait_s)
+        if self.ranks is None:
+            try:
+                return await self.receiver.claim(request_id, timeout)
+            except TransferError as exc:
+                info["kv_error"] = exc
+                logger.debug("%s: no usable KV (%s); prefilling here", request_id, exc)
+                return None
+        ranks = self.ranks
+        results: list[Any] = list(
+            await asyncio.gather(
+                self.receiver.claim(request_id, timeout),
+                ranks.claim(request_id, timeout),
+                return_exceptions=True,
+            )
+        )
+        mine, theirs = results
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # cancelled: the caller's finally cancels the KV
+        error: Exception | None = next((r for r in results if isinstance(r, Exception)), None)
+        if error is None:
+            header = mine.header
+            agree = all(
+                (c["first_block"], c["num_blocks"], c["first_token"])
+                == (header.first_block_index, header.num_blocks, header.first_token)
+                for c in theirs
+            )
+            if agree:
+                others = sum(c["num_bytes"] for c in theirs)
+                mine.stats = dataclasses.replace(
+                    mine.stats, num_bytes=mine.stats.num_bytes + others
+                )
+                return mine
+            error = TransferError(f"{request_id}: the ranks' KV parts disagree: {theirs}")
+        if isinstance(mine, ReceivedKV):
+            mine.release()
+        self.cancel_kv(request_id)
+        info["kv_error"] = error
+        logger.debug("%s: no usable KV (%s); prefilling here", request_id, error)
+        return None
 
     async def close(self) -> None:
         await self.receiver.close()
+        if self.ranks is not None:
+            await self.ranks.close()

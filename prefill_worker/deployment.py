@@ -40,12 +40,20 @@ class PrefillServer(WorkerReplica):
     async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]
         super().__init__(config)
         cfg = self.config
+        # tensor parallel: every rank sends its own KV heads (cluster/tp_ranks.py)
+        ranks = None
+        if self.rank_launcher is not None:
+            from pdserve.cluster.tp_ranks import RankSenders
+
+            ranks = RankSenders(self.rank_launcher.actors)
+            await ranks.start(cfg.transport, cfg.transfer_tls())
         self.worker = PrefillWorker(
             self.engine,
             make_sender(cfg.transport, tls=cfg.transfer_tls()),
             cfg.cluster_token,
             transfer_timeout_s=cfg.transfer_timeout_s,
             lease_ms=int(cfg.kv_wait_timeout_s * 1000),
+            ranks=ranks,
         )
         # Measured before joining: the router never sees this worker without a rate.
         await self.worker.warm_up(min(cfg.max_num_batched_tokens, 512))
@@ -168,5 +176,7 @@ class PrefillServer(WorkerReplica):
 
     async def __del__(self) -> None:
         await self.worker.sender.close()
+        if self.worker.ranks is not None:
+            await self.worker.ranks.close()
         await self.shutdown()
         tracing.flush()

@@ -12,16 +12,19 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from pdserve.cluster.kv_targets import send_parts, split_targets
 from pdserve.cluster.rate_meter import RateMeter
 from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
 from pdserve.engine.kv_handoff import KVExport
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.base import KVSender, TransferHeader, TransferStats, make_header
-from pdserve.kv_transfer.torch_payload import layout_of, payload_bytes
+from pdserve.kv_transfer.base import KVSender, TransferStats
+from pdserve.kv_transfer.torch_payload import layout_of
+
+if TYPE_CHECKING:  # ray is imported only where ranks are actors
+    from pdserve.cluster.tp_ranks import RankSenders
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,13 @@ class PrefillWorker:
         cluster_token: str,
         transfer_timeout_s: float = 30.0,
         lease_ms: int = 30_000,
+        ranks: RankSenders | None = None,
     ) -> None:
+        """`ranks`: a tensor-parallel replica's other ranks, which send their own KV
+        heads (cluster/tp_ranks.py); this process sends rank 0's."""
         self.engine = engine
+        self.ranks = ranks
+        self.total_kv_heads = engine.engine.model_config.num_kv_heads
         self.sender = sender
         self.cluster_token = cluster_token
         self.transfer_timeout_s = transfer_timeout_s
@@ -94,7 +102,9 @@ class PrefillWorker:
         decode_address: str,
         first_block: int = 0,
     ) -> PrefillResult:
-        """Prefill, then push blocks `first_block`.. of the prompt to `decode_address`.
+        """Prefill, then push blocks `first_block`.. of the prompt to `decode_address`
+        (a receiver's address, or a tensor-parallel decode replica's: each of its ranks
+        gets its own KV heads, from every rank here that holds them).
 
         Raises the transfer's typed error (the decode worker then prefills locally).
         """
@@ -110,8 +120,13 @@ class PrefillWorker:
         queue_s = compute_s = 0.0
         num_cached = 0
 
+        targets = split_targets(decode_address)
+        # the decode ranks' KV heads (None: one receiver owning them all)
+        ranges = None if targets[0][1] is None else [r for _, r in targets if r is not None]
+        resolved = [(a, r or (0, self.total_kv_heads)) for a, r in targets]
+
         def export_now(engine: LLMEngine) -> KVExport:
-            return engine.export_kv(request_id, first_block)
+            return engine.export_kv(request_id, first_block, ranges)
 
         export: KVExport | None = None
         try:
@@ -130,30 +145,40 @@ class PrefillWorker:
             # the first token's logprobs (if asked for) cross with its KV: the decode
             # worker reports them, so a response has one for every token
             first_lp = export.first_logprobs
-
-            def bytes_and_header(export: KVExport = export) -> tuple[np.ndarray, TransferHeader]:
-                # blocks until the payload is in host memory (on CUDA the engine thread
-                # only started the device->host copy), then checksums: off the loop
-                payload = payload_bytes(export.wait())
-                header = make_header(
-                    request_id,
-                    self.engine.engine.model_id,
-                    self.layout,
-                    payload,
-                    self.cluster_token,
-                    block_hashes=export.block_hashes,
-                    first_block_index=first_block,
-                    first_token=first_token,
-                    first_token_logprob=None if first_lp is None else first_lp.logprob,
-                    first_token_top_logprobs=() if first_lp is None else first_lp.top,
-                    lease_ms=self.lease_ms,
-                )
-                return payload, header
-
-            payload, header = await asyncio.to_thread(bytes_and_header)
+            header = {
+                "model_id": self.engine.engine.model_id,
+                "token": self.cluster_token,
+                "total_kv_heads": self.total_kv_heads,
+                "block_hashes": export.block_hashes,
+                "first_block_index": first_block,
+                "first_token": first_token,
+                "first_token_logprob": None if first_lp is None else first_lp.logprob,
+                "first_token_top_logprobs": () if first_lp is None else first_lp.top,
+                "lease_ms": self.lease_ms,
+            }
             pack_s = time.monotonic() - packed
-            stats = await self.sender.send(
-                decode_address, header, payload, timeout_s=self.transfer_timeout_s
+            sends = [
+                send_parts(
+                    self.sender,
+                    request_id,
+                    export.parts,
+                    resolved,
+                    header,
+                    self.layout,
+                    self.transfer_timeout_s,
+                )
+            ]
+            if self.ranks is not None:  # every other rank sends its own heads
+                sends.append(self.ranks.send(request_id, resolved, header, self.transfer_timeout_s))
+            results = await asyncio.gather(*sends, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            moved = [t for r in results if not isinstance(r, BaseException) for t in r]
+            block_size = self.engine.engine.config.block_size
+            num_blocks = -(-len(prompt_token_ids) // block_size) - first_block
+            stats = TransferStats(
+                request_id, sum(b for b, _ in moved), num_blocks, max(s for _, s in moved)
             )
         finally:
             if export is not None:  # sent or failed: its staging region may be reused
@@ -164,7 +189,7 @@ class PrefillWorker:
         return PrefillResult(
             request_id,
             first_token,
-            header.num_blocks,
+            stats.num_blocks,
             stats,
             num_prompt_tokens=len(prompt_token_ids),
             num_cached_tokens=num_cached,
