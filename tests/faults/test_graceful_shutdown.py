@@ -40,7 +40,7 @@ def test_sigterm_lets_the_stream_in_flight_finish(
         local = None
         for chunk in stream:
             got += chunk.choices[0].model_extra["token_ids"]
-            if len(got) == 8:
+            if local is None and len(got) >= 8:  # a chunk may carry several tokens
                 # counted before the first token left the router: read before draining
                 local = api.local_prefills(url)
                 proc.send_signal(signal.SIGTERM)  # mid-stream
