@@ -130,9 +130,12 @@ class TPRank:
         }
 
     async def cancel(self, request_id: str) -> None:
+        """Forget what is expected, arriving or buffered for `request_id`. Parts already
+        claimed stay for the driver's "import" or "drop", which come down the step socket
+        in order with everything else the driver tells this rank (a drop from here could
+        overtake an import the driver already sent)."""
         if self.receiver is not None:
             self.receiver.cancel(request_id)
-        self.store.drop_import(request_id)
 
     async def start_sender(self, transport: str, tls: Any) -> None:
         if not await asyncio.to_thread(self._built.wait, 600):
@@ -263,7 +266,8 @@ class RankReceivers:
 
     async def claim(self, request_id: str, timeout_s: float) -> list[dict[str, Any]]:
         """Every rank's claim of its parts (see `TPRank.claim`). Raises TransferError
-        when any rank's failed (its own error when it was one); the others' are dropped."""
+        when any rank's failed (its own error when it was one); the caller then has the
+        driver drop what the others claimed (`LLMEngine.drop_kv`)."""
         calls = [a.claim.remote(request_id, timeout_s) for a in self.actors]
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -276,8 +280,8 @@ class RankReceivers:
         return [r for r in results if isinstance(r, dict)]
 
     def cancel(self, request_id: str) -> None:
-        """Tell every rank to forget `request_id` (not awaited: idempotent, ordered after
-        any earlier call on each actor)."""
+        """Tell every rank's receiver to forget `request_id` (not awaited: idempotent,
+        ordered after any earlier call on each actor)."""
         for actor in self.actors:
             actor.cancel.remote(request_id)
 

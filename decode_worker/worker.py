@@ -10,13 +10,14 @@ tokens either way (docs/kv-handoff.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
 from pdserve.engine.hashing import hash_block_chain
 from pdserve.engine.kv_handoff import KVImportError
 from pdserve.engine.llm_engine import LLMEngine
@@ -97,10 +98,16 @@ class DecodeWorker:
             raise TransferError(f"a tensor-parallel rank cannot expect KV: {exc!r}") from exc
 
     def cancel_kv(self, request_id: str) -> None:
-        """Forget `request_id`'s KV on every rank: what arrived or arrives is freed."""
+        """Forget `request_id`'s KV on every rank: what arrived or arrives is freed.
+
+        With tensor parallelism the other ranks' claimed parts are dropped by the driver,
+        down the step socket (after an import it sent, if any: then there is nothing left
+        to drop), never by their actors, which could overtake it."""
         self.receiver.cancel(request_id)
         if self.ranks is not None:
             self.ranks.cancel(request_id)
+            with contextlib.suppress(EngineClosedError):  # a closed engine holds nothing
+                self.engine.submit(lambda e: e.drop_kv(request_id))
 
     async def generate(
         self,

@@ -169,6 +169,7 @@ class LLMEngine:
                 config.load_format,
                 config.seed,
                 self._shard,
+                config.quantization,
             )
             if self.tp_workers is not None:
                 self.model.tp = self.tp_workers.group
@@ -398,9 +399,8 @@ class LLMEngine:
                 own=self.kv_head_range,
                 on_blocks=None if workers is None else partial(workers.import_kv, request_id),
             )
-        except KVImportError:
-            if workers is not None:
-                workers.drop_kv(request_id)
+        except Exception:  # KVImportError, or a request refused: the ranks' parts go too
+            self.drop_kv(request_id)
             raise
         self._track(seq, stream)
         seq.append_token(first_token)
@@ -458,8 +458,14 @@ class LLMEngine:
         seq = self._held.pop(request_id, None)
         if seq is not None:
             self.kv_manager.free(seq)
+        self.drop_kv(request_id)  # what the other ranks' transports did not take
+
+    def drop_kv(self, request_id: str) -> None:
+        """Tensor parallel: make the other ranks forget `request_id`'s packed or claimed
+        KV slices (after any export or import already sent them: the same socket, in
+        order). Nothing to do with one rank, or after the group failed."""
         if self.tp_workers is not None and self.tp_workers.failure is None:
-            self.tp_workers.drop_kv(request_id)  # what their transports did not take
+            self.tp_workers.drop_kv(request_id)
 
     def _new_sequence(
         self,
