@@ -247,7 +247,8 @@ class TPWorkers:
                 handle = launcher.start(rank, tp, spec)
                 self._ranks.append(handle)
                 self._conns.append(handle.conn)
-            self.group = TPGroup(0, tp, spec.init_method, device, self.timeout_s)
+            # NCCL wants the driver's device with its index ("cuda" alone names none)
+            self.group = TPGroup(0, tp, spec.init_method, rank_device(device, 0), self.timeout_s)
         except Exception as exc:
             self._finalizer()
             raise TensorParallelError(f"tensor-parallel ranks did not join: {exc}") from exc
@@ -481,6 +482,7 @@ def _build_rank(
         config.load_format,
         config.seed,
         shard,
+        config.quantization,
     )
     model.tp = group
     runner = ModelRunner(
