@@ -8,11 +8,21 @@ packed weights at about 100 (and 2.6x faster on 2 threads); measured in the same
 process, 5 linears of hidden 1024: 57.8 ms against 30.0 ms. Results agree with
 `F.linear` to float rounding (the fp32 token-exactness tests run through this path).
 float16 and CUDA keep `F.linear`.
+
+`Int8Linear` holds a weight quantized to int8 with one scale per output row
+(`EngineConfig.quantization="int8"`, the transformer blocks' projections): a decode
+step, bound by memory bandwidth, reads half the weight bytes of bf16 and a quarter of
+fp32's. Its matmul reads the int8 weight as is, never a dequantized copy:
+`torch.ops.aten._weight_int8pack_mm` on CPU (and on devices other than CUDA), the
+Triton kernel `kernels/int8_linear.py` on CUDA, where torch's CUDA version of that op is
+a reference kernel (one thread per output element, the weight rows read uncoalesced).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +41,7 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """y = x @ weight.T + bias for x [T, in_features]."""
+    """y = x @ weight.T + bias for x [T, in_features], the weight in the model's dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -50,3 +60,137 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weight as held (packed or not) and of the bias."""
+        return _nbytes(self._held()) + _nbytes(self.bias)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one output row: its weights and its bias element."""
+        return (self.in_features + (self.bias is not None)) * self._held().element_size()
+
+    def _held(self) -> torch.Tensor:
+        weight = self.packed if self.packed is not None else self.weight
+        assert weight is not None
+        return weight
+
+
+# Symmetric int8: -128 stays unused, so that q and -q are both representable.
+INT8_MAX = 127
+# `_weight_int8pack_mm`'s bf16 CPU kernel reads a row 16 values at a time (AVX-512; 8
+# with AVX2 and on Arm) with aligned loads and no tail: rows of any other length read past
+# their end (wrong sums) and an unaligned x faults (seen with torch 2.13 on AVX-512).
+# So x and the weight go in zero-padded to a multiple of 16 columns, contiguous and
+# 64-byte aligned (the CPU allocator's alignment): `_for_cpu_op`.
+_CPU_ROW_MULTIPLE = 16
+_CPU_ALIGN_BYTES = 64
+
+
+class Int8Weight(NamedTuple):
+    weight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out], the float weight's dtype
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8 of `weight` [out, in], round to nearest.
+
+    scale = max|w| / 127 per row, computed in float32 and stored in the weight's dtype
+    (the CPU kernel takes scales in the activations' dtype); q = round(w / scale) against
+    the stored scale, so that q * scale is exactly what the matmul multiplies by, and
+    |w - q * scale| <= scale / 2 for every element. An all-zero row gets scale 0, q 0.
+    """
+    w = weight.float()
+    row_max = w.abs().amax(dim=1)
+    scales = (row_max / INT8_MAX).to(weight.dtype)
+    # Rounded to its dtype, a scale may fall below max / 127, and the row's largest values
+    # clamp at 127: by less than half a step, unless the rounding was coarse (float16's
+    # subnormal scales, below 6e-5); those take the next value up instead.
+    low = scales.float() * (INT8_MAX + 0.5) < row_max
+    scales = torch.where(low, torch.nextafter(scales, torch.full_like(scales, torch.inf)), scales)
+    divisor = scales.float()
+    divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
+    q = (w / divisor[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX)
+    return Int8Weight(q.to(torch.int8), scales)
+
+
+def dequantize_int8(weight: Int8Weight) -> torch.Tensor:
+    """The float32 weight [out, in] that `quantize_int8`'s result stands for."""
+    return weight.weight.float() * weight.scales.float()[:, None]
+
+
+class Int8Linear:
+    """`Linear`'s y = x @ W.T + bias with W = weight * scales[:, None] held as int8 rows and
+    one scale per row (`quantize_int8`); x and the result in the scales' dtype, the bias
+    too. The float weight is not kept.
+
+    On x86 CPUs torch vectorises the op for bfloat16 only: float32 and float16 run its
+    scalar fallback (correct, but slower than the float `Linear`). On CPU the op is
+    deterministic and each output row depends on its input row alone (the sum over K runs
+    the same way whatever the batch).
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.scales = scales
+        self.bias = bias
+        self._kernel = _cuda_kernel() if weight.device.type == "cuda" else None
+        self.weight = weight if self._kernel is not None else _for_cpu_op(weight)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """The int8 layer of the float `weight` [out, in] (`quantize_int8`)."""
+        return cls(*quantize_int8(weight), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None:
+            return self._kernel(x, self.weight, self.scales, self.bias)
+        y = torch.ops.aten._weight_int8pack_mm(_for_cpu_op(x), self.weight, self.scales)
+        return y if self.bias is None else y.add_(self.bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the int8 weight (padded rows included), the scales and the bias."""
+        return _nbytes(self.weight) + _nbytes(self.scales) + _nbytes(self.bias)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one output row: its int8 weights, its scale and its bias element."""
+        bias_bytes = 0 if self.bias is None else self.bias.element_size()
+        return self.weight.shape[1] + self.scales.element_size() + bias_bytes
+
+
+# What the transformer blocks' projections are, with and without quantization.
+LinearLayer = Linear | Int8Linear
+_Int8Kernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
+
+
+def _cuda_kernel() -> _Int8Kernel | None:
+    """The Triton kernel, imported only on CUDA (a CPU install has no Triton); without
+    Triton, torch's own CUDA op serves (correct, slow)."""
+    try:
+        from pdserve.kernels.int8_linear import int8_linear
+    except ImportError as exc:
+        logger.warning("Triton unavailable (%s): int8 linears use torch's reference kernel", exc)
+        return None
+    return int8_linear
+
+
+def _for_cpu_op(t: torch.Tensor) -> torch.Tensor:
+    """`t` [rows, cols] as the CPU op takes it (`_CPU_ROW_MULTIPLE`): a new tensor only
+    where `t` is not already so."""
+    pad = -t.shape[1] % _CPU_ROW_MULTIPLE
+    if pad:
+        return F.pad(t, (0, pad))  # a new allocation: contiguous and aligned
+    if t.is_contiguous() and t.data_ptr() % _CPU_ALIGN_BYTES == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
