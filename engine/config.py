@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton"]
 LoadFormat = Literal["auto", "dummy"]
+Quantization = Literal["none", "int8"]
 # What `gpu_memory_utilization=None` means on CUDA (vLLM's default).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -34,6 +35,14 @@ class EngineConfig(BaseModel):
         description="auto: the folder's safetensors weights; dummy: random weights of the"
         " shape config.json gives (seeded by `seed`), made on the device, no weight file"
         " read: for benchmarks and tests of a model's speed, not its text.",
+    )
+    quantization: Quantization = Field(
+        default="none",
+        description="int8: the transformer blocks' projections (q|k|v, o, gate|up, down)"
+        " quantized at load to int8 with one scale per output row (symmetric, round to"
+        " nearest), half the weight bytes of bf16 that each decode step reads; the"
+        " embedding, LM head and norms stay in `dtype` (engine/linear.py, Int8Linear)."
+        " On CPU use it with bfloat16: torch's int8 matmul is vectorised for bf16 only.",
     )
     num_threads: int | None = Field(
         default=1, ge=1, description="torch threads for this process; None leaves torch's default."

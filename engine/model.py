@@ -3,6 +3,14 @@
 Plain tensors and functions rather than nn.Modules: a decode step of a small model is
 dominated by Python overhead, so each layer is a handful of torch calls. Projections are
 fused (q|k|v and gate|up) at load time so one matmul replaces three and two.
+
+With `quantization="int8"` those projections (q|k|v, o, gate|up, down) are quantized at
+load, from the weights cast to the model's dtype, to int8 with one scale per output row
+(`engine/linear.py`, `Int8Linear`; as vLLM's online quantization, after the cast). The
+embedding, the LM head and the norms stay in the model's dtype: the embedding is read one
+row per token, and the LM head's and the norms' errors would reach the logits unmixed.
+Tensor parallel: each rank quantizes its own slices, so a row-parallel projection (o,
+down) gets a scale per row per rank.
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata, KVCache
+from pdserve.engine.config import Quantization
 from pdserve.engine.errors import CheckpointError
-from pdserve.engine.linear import Linear
+from pdserve.engine.linear import Int8Linear, Linear, LinearLayer
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.rotary import apply_rotary, cos_sin_cache
 from pdserve.engine.weights import checkpoint_files, iter_weights
@@ -31,11 +40,11 @@ if TYPE_CHECKING:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # hidden -> (H + 2 * KVH) * D
-    o: Linear  # H * D -> hidden
+    qkv: LinearLayer  # hidden -> (H + 2 * KVH) * D
+    o: LinearLayer  # H * D -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 * ffn
-    down: Linear  # ffn -> hidden
+    gate_up: LinearLayer  # hidden -> 2 * ffn
+    down: LinearLayer  # ffn -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -185,7 +194,8 @@ class LlamaModel:
         return logits
 
     def weight_bytes(self) -> tuple[int, int]:
-        """(sharded, replicated) bytes of this rank's weights, as held (packed or not).
+        """(sharded, replicated) bytes of this rank's weights, as held (packed or not;
+        int8 with its scales).
 
         Replicated: norms, a row-parallel layer's bias (held by the driver alone) and,
         when there are more ranks than KV heads, the K/V projections (each rank holds
@@ -197,28 +207,21 @@ class LlamaModel:
         replicated = sum(_nbytes(t) for t in norms)
         # A tied LM head shares the embedding's tensor unless it was packed (a copy).
         embed_bytes = 0 if self.lm_head.weight is self.embed else _nbytes(self.embed)
-        total = replicated + _linear_bytes(self.lm_head) + embed_bytes
+        total = replicated + self.lm_head.weight_bytes + embed_bytes
         kv_rows = 2 * self.num_kv_heads * self.config.head_dim
         for layer in self.layers:
             total += sum(
-                _linear_bytes(lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                lin.weight_bytes for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
             )
             for lin in (layer.o, layer.down):
                 replicated += 0 if lin.bias is None else _nbytes(lin.bias)
             if self.shard is not None and self.shard.kv_replicated:
-                per_row = layer.qkv.in_features + (0 if layer.qkv.bias is None else 1)
-                replicated += kv_rows * per_row * self.dtype.itemsize
+                replicated += kv_rows * layer.qkv.row_bytes
         return total - replicated, replicated
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _linear_bytes(lin: Linear) -> int:
-    weight = lin.packed if lin.packed is not None else lin.weight
-    assert weight is not None
-    return _nbytes(weight) + (0 if lin.bias is None else _nbytes(lin.bias))
 
 
 def _cat_bias(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | None:
@@ -237,22 +240,25 @@ def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         raise CheckpointError(f"checkpoint lacks the tensor {name!r}") from None
 
 
-def _layer(tensors: dict[str, torch.Tensor], i: int) -> LayerWeights:
+def _layer(tensors: dict[str, torch.Tensor], i: int, quantization: Quantization) -> LayerWeights:
     p = f"model.layers.{i}."
     attn_names = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
     mlp_names = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
     qkv = torch.cat([_take(tensors, f"{n}.weight") for n in attn_names])
     gate_up = torch.cat([_take(tensors, f"{n}.weight") for n in mlp_names])
+    # NOTE: per-row scales make quantizing the fused q|k|v (gate|up) the same as quantizing
+    # q, k and v apart; the float weights are dropped as each layer is built.
+    linear = Int8Linear.quantize if quantization == "int8" else Linear
     return LayerWeights(
         input_norm=_take(tensors, f"{p}input_layernorm.weight"),
-        qkv=Linear(qkv, _cat_bias(tensors, [f"{n}.bias" for n in attn_names])),
-        o=Linear(
+        qkv=linear(qkv, _cat_bias(tensors, [f"{n}.bias" for n in attn_names])),
+        o=linear(
             _take(tensors, f"{p}self_attn.o_proj.weight"),
             tensors.pop(f"{p}self_attn.o_proj.bias", None),
         ),
         post_norm=_take(tensors, f"{p}post_attention_layernorm.weight"),
-        gate_up=Linear(gate_up, _cat_bias(tensors, [f"{n}.bias" for n in mlp_names])),
-        down=Linear(
+        gate_up=linear(gate_up, _cat_bias(tensors, [f"{n}.bias" for n in mlp_names])),
+        down=linear(
             _take(tensors, f"{p}mlp.down_proj.weight"),
             tensors.pop(f"{p}mlp.down_proj.bias", None),
         ),
@@ -318,19 +324,21 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     shard: TPShard | None = None,
+    quantization: Quantization = "none",
 ) -> LlamaModel:
     """Load the checkpoint's tensors into a LlamaModel (cast to dtype, on device).
 
     `load_format="dummy"`: random weights of the checkpoint's shape instead
     (`dummy_weights`, seeded by `seed`); no weight file is read, or needed.
     `shard`: tensor parallel, only this rank's slices (`_load_shard`).
+    `quantization="int8"`: the blocks' projections as `Int8Linear` (module docstring).
 
     Raises:
         CheckpointError: a tensor is missing, or the checkpoint holds unexpected ones.
     """
     if shard is not None:
         return _load_shard(
-            model_dir, config, dtype, device, max_positions, load_format, seed, shard
+            model_dir, config, dtype, device, max_positions, load_format, seed, shard, quantization
         )
     if load_format == "dummy":
         tensors = dummy_weights(config, dtype, device, seed)
@@ -343,7 +351,7 @@ def load_model(
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     embed = _take(tensors, "model.embed_tokens.weight")
-    layers = [_layer(tensors, i) for i in range(config.num_layers)]
+    layers = [_layer(tensors, i, quantization) for i in range(config.num_layers)]
     final_norm = _take(tensors, "model.norm.weight")
     lm_head = tensors.pop("lm_head.weight", None)
     if lm_head is None:
@@ -458,6 +466,7 @@ def _load_shard(
     load_format: str,
     seed: int,
     shard: TPShard,
+    quantization: Quantization,
 ) -> LlamaModel:
     """`load_model` for rank `shard.rank`: each tensor's slice on this rank
     (`TPShard.slice_of`), q|k|v and gate|up fused per rank; the vocabulary shards padded
@@ -483,7 +492,7 @@ def _load_shard(
                 tensor = _pad_rows(tensor, shard.vocab_per_rank)
             tensors[name] = tensor
     embed = _take(tensors, "model.embed_tokens.weight")
-    layers = [_layer(tensors, i) for i in range(config.num_layers)]
+    layers = [_layer(tensors, i, quantization) for i in range(config.num_layers)]
     final_norm = _take(tensors, "model.norm.weight")
     lm_head = tensors.pop("lm_head.weight", None)
     if lm_head is None and not config.tie_word_embeddings:
