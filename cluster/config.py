@@ -23,7 +23,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pdserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig, LoadFormat
+from pdserve.engine.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    EngineConfig,
+    LoadFormat,
+    Quantization,
+)
 from pdserve.engine.errors import EngineError
 from pdserve.engine.model_config import ModelConfig, load_model_config, tensor_parallel_problems
 from pdserve.kv_transfer.tls import TLSConfig
@@ -240,6 +245,9 @@ class ClusterConfig(BaseModel):
     device: str = "cpu"
     # "dummy": random weights of config.json's shape, no weight file read (benchmarks).
     load_format: LoadFormat = "auto"
+    # "int8": the blocks' projections as int8 with a scale per row, in both roles
+    # (EngineConfig.quantization); the embedding, LM head and norms stay in dtype.
+    quantization: Quantization = "none"
     num_threads: int = Field(default=1, ge=1, description="torch threads per replica")
     block_size: int = Field(default=16, ge=1, le=1024)
     max_model_len: int | None = Field(default=None, ge=2)
@@ -489,6 +497,7 @@ class ClusterConfig(BaseModel):
             num_kv_blocks=self.num_kv_blocks,
             gpu_memory_utilization=self.worker_gpu_memory_utilization(),
             load_format=self.load_format,
+            quantization=self.quantization,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -121,6 +121,7 @@ def _up(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format,
+        quantization=args.quantization,
         tpot_target_ms=args.tpot_target_ms,
         enforce_eager=args.enforce_eager,
         kv_staging_mb=args.kv_staging_mb,
@@ -344,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="dummy: random weights of config.json's shape, no weight file read (benchmarks)",
     )
     up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    up.add_argument(
+        "--quantization",
+        choices=["none", "int8"],
+        default="none",
+        help="int8: the transformer blocks' linear weights as int8 with a scale per output "
+        "row (half the bytes of bf16 per decode step); use with --dtype bfloat16 on CPU",
+    )
     up.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     up.add_argument(
         "--enforce-eager",

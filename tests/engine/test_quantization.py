@@ -14,7 +14,10 @@ TP=2 logits do).
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -247,3 +250,28 @@ def test_tp2_int8_logits_stay_within_the_quantization_error_of_tp1(
     (whole,) = stats1.ranks
     for rank in stats2.ranks:
         assert 0.5 < rank.sharded_weight_bytes / whole.sharded_weight_bytes < 0.52
+
+
+# -- the user-facing switches ---------------------------------------------------------------
+
+
+def test_pdserve_up_quantization_reaches_the_engine_config(random_model_dir: Path) -> None:
+    code = (
+        "import sys\n"
+        "from pdserve.deploy import cli\n"
+        "import pdserve.deploy.up as up\n"
+        "def fake_run_up(config, *args, **kw):\n"
+        "    print('engine', config.quantization, config.engine_config('prefill').quantization)\n"
+        "    return 0\n"
+        "up.run_up = fake_run_up\n"
+        "sys.exit(cli.main(['up', '--model', *sys.argv[1:]]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(random_model_dir), "--quantization", "int8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "engine int8 int8" in result.stdout, result.stdout + result.stderr
