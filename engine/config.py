@@ -42,7 +42,9 @@ class EngineConfig(BaseModel):
         " quantized at load to int8 with one scale per output row (symmetric, round to"
         " nearest), half the weight bytes of bf16 that each decode step reads; the"
         " embedding, LM head and norms stay in `dtype` (engine/linear.py, Int8Linear)."
-        " On CPU use it with bfloat16: torch's int8 matmul is vectorised for bf16 only.",
+        " On CPU torch's int8 matmul is vectorised for bfloat16 only, and compute-bound:"
+        " measured about as fast as bf16 at batch 1 and half as fast at batch 32"
+        " (benchmarks/quantization.py); there the memory is the gain.",
     )
     num_threads: int | None = Field(
         default=1, ge=1, description="torch threads for this process; None leaves torch's default."

@@ -126,9 +126,12 @@ class Int8Linear:
     too. The float weight is not kept.
 
     On x86 CPUs torch vectorises the op for bfloat16 only: float32 and float16 run its
-    scalar fallback (correct, but slower than the float `Linear`). On CPU the op is
-    deterministic and each output row depends on its input row alone (the sum over K runs
-    the same way whatever the batch).
+    scalar fallback (correct, but slower than the float `Linear`). Its bf16 kernel is
+    compute-bound (it widens and scales every weight before the FMA, 4x4 outputs at a
+    time): on 1 Zen 4 core the mid model's projections ran 0.96x of the packed bf16
+    `Linear`'s speed at 1 row and 0.37x at 32 (1.46x and 0.39x on 2 cores). On CPU the op
+    is deterministic and each output row depends on its input row alone (the sum over K
+    runs the same way whatever the batch).
     """
 
     def __init__(
