@@ -8,6 +8,7 @@ so placement stops choosing it, then stops the engine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -100,6 +101,8 @@ class WorkerReplica:
         )
         self.index = PrefixIndex(self.redis, self.config.model_id, self.config.worker_lease_s)
         self.member: IndexMember | None = None
+        self._flush_task: asyncio.Task[None] | None = None
+        self._flush_again = False
 
     async def index_load(self) -> dict[str, int]:
         """The gauges each heartbeat publishes (the router's /metrics shows them)."""
@@ -125,8 +128,30 @@ class WorkerReplica:
         await self.member.start()
 
     async def flush_events(self) -> None:
-        if self.member is not None:
-            await self.member.flush()
+        """Publish the pending KV events now (a request's blocks, before its last item
+        leaves: a follow-up request is placed by them), waiting at most `heartbeat_s`.
+
+        With Redis unreachable a publish waits for its socket timeout (seconds), which must
+        not hold a stream's last token (measured: the router then took the silent stream
+        of a worker out of the index for a dead one, and resumed it elsewhere). The flush
+        goes on in the background, one at a time: a caller that comes while one runs
+        makes it flush once more after, which covers that caller's events too."""
+        if self.member is None:
+            return
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.create_task(self._flush_loop())
+        else:
+            self._flush_again = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._flush_task), self.config.heartbeat_s)
+
+    async def _flush_loop(self) -> None:
+        assert self.member is not None
+        while True:
+            self._flush_again = False
+            await self.member.flush()  # logs a Redis error, never raises one
+            if not self._flush_again:
+                return
 
     async def load(self, target_replica: str | None = None) -> dict[str, Any]:
         """Exact live state of this worker (the router's `/workers`, tests, benchmarks)."""
