@@ -21,6 +21,7 @@ pool, Ray's token authentication on (as it is for a head on a non-loopback addre
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -375,3 +377,34 @@ def start_cluster(
         raise RuntimeError("pdserve up did not get ready:\n" + "\n".join(log[-40:])) from exc
     drain(up.stdout)
     return f"http://{topo.nodes[0].address}:{HTTP_PORT}"
+
+
+def watch_leaving(redis_url: str, model: str, worker_id: str, lease_s: float) -> Future[float]:
+    """From now on, in a thread of its own, watch the index until it no longer lists
+    `worker_id` as live; the future's result is the seconds that took: an upper bound on
+    when the worker left placement (the index read every 50 ms, at most lease + 10 s;
+    inf when it never left)."""
+    since = time.monotonic()
+    return ThreadPoolExecutor(1).submit(
+        asyncio.run, _seconds_until_gone(redis_url, model, worker_id, lease_s, since)
+    )
+
+
+async def _seconds_until_gone(
+    redis_url: str, model: str, worker_id: str, lease_s: float, since: float
+) -> float:
+    import redis.asyncio as aioredis
+
+    from pdserve.cluster.prefix_index import PrefixIndex
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        index = PrefixIndex(client, model, lease_s)
+        deadline = since + lease_s + 10.0
+        while time.monotonic() < deadline:
+            if worker_id not in {w.worker_id for w in await index.live_workers()}:
+                return time.monotonic() - since
+            await asyncio.sleep(0.05)  # a poll of the index, bounded by the deadline
+        return float("inf")
+    finally:
+        await client.aclose()

@@ -5,12 +5,22 @@ both transports, through the official client: every answer equals `transformers`
 greedy tokens; the KV crossed rank to rank exactly once (bytes counted = blocks sent x
 one whole block of every head: each head's slice went once, from the rank that owns it,
 to the rank that owns it); no decode worker prefilled; `/workers` shows each rank of the
-tensor-parallel replica with its own half of the sharded weights and of the KV heads.
+tensor-parallel replicas with its own half of the sharded weights and of the KV heads.
+
+The gRPC 1 -> 2 cluster has two decode replicas and goes on (one cluster start less in
+CI) to lose a non-driver rank mid-stream: the replica's next collective fails at once
+(the peer's socket closed; a stalled rank would fail it within distributed_timeout_s),
+its engine stops and fails its streams, the replica leaves the index, and the router
+resumes the stream on the other replica. The client must receive exactly
+`transformers`' tokens, and afterwards no surviving worker holds a KV block or a
+pending transfer.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +29,12 @@ import pytest
 
 BLOCK = 8
 MAX_TOKENS = 6
-CASES = {
-    "grpc-p2-d1": ("grpc", 2, 1),
-    "grpc-p1-d2": ("grpc", 1, 2),
-    "ucx-p2-d1": ("ucx", 2, 1),
-    "ucx-p1-d2": ("ucx", 1, 2),
+STREAM_TOKENS = 300
+CASES = {  # transport, prefill TP, decode TP, decode replicas
+    "grpc-p2-d1": ("grpc", 2, 1, 1),
+    "ucx-p2-d1": ("ucx", 2, 1, 1),
+    "ucx-p1-d2": ("ucx", 1, 2, 1),
+    "grpc-p1-d2, a rank killed": ("grpc", 1, 2, 2),
 }
 
 
@@ -39,14 +50,15 @@ def prompts() -> list[list[int]]:
 def test_pools_of_different_tensor_parallelism(
     case: str, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any, api: Any
 ) -> None:
-    transport, prefill_tp, decode_tp = CASES[case]
+    transport, prefill_tp, decode_tp, decode_replicas = CASES[case]
     model_dir = Path(make_checkpoint(num_heads=4, num_kv_heads=2, max_position_embeddings=512))
     want = hf_greedy(model_dir, prompts(), MAX_TOKENS)
     flags = (
         *("--mode", "disagg", "--transport", transport),
         *("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)),
-        *("--prefill-replicas", "1", "--decode-replicas", "1", "--dtype", "float32"),
-        *("--block-size", str(BLOCK), "--replica-cpus", "0.1", "--threads", "1"),
+        *("--prefill-replicas", "1", "--decode-replicas", str(decode_replicas)),
+        *("--dtype", "float32", "--block-size", str(BLOCK), "--replica-cpus", "0.1"),
+        *("--threads", "1", "--heartbeat-s", "0.5", "--worker-lease-s", "3"),
     )
     with pdserve_up(model_dir, *flags) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -60,11 +72,46 @@ def test_pools_of_different_tensor_parallelism(
         assert blocks > 0 and sent == blocks * 2 * 2 * 2 * BLOCK * 16 * 4, (blocks, sent)
         workers = api.get_json(f"{url}/workers")["workers"]
         tp_workers = [w for w in workers if "tensor_parallel" in w]
-        assert [w["role"] for w in tp_workers] == ["prefill" if prefill_tp > 1 else "decode"]
-        tp = tp_workers[0]["tensor_parallel"]
-        ranks = tp["ranks"]
-        assert tp["size"] == 2 and [r["rank"] for r in ranks] == [0, 1]
-        assert len({r["pid"] for r in ranks}) == 2, "each rank is a process of its own"
-        assert ranks[0]["sharded_weight_bytes"] == ranks[1]["sharded_weight_bytes"] > 0
-        assert ranks[0]["kv_cache_bytes"] == ranks[1]["kv_cache_bytes"] > 0
-        assert tp["steps"] > 0 and tp["all_reduce_ms_per_step"] > 0
+        tp_role = "prefill" if prefill_tp > 1 else "decode"
+        assert [w["role"] for w in tp_workers] == [tp_role] * (
+            decode_replicas if tp_role == "decode" else 1
+        )
+        for worker in tp_workers:
+            tp = worker["tensor_parallel"]
+            ranks = tp["ranks"]
+            assert tp["size"] == 2 and [r["rank"] for r in ranks] == [0, 1]
+            assert len({r["pid"] for r in ranks}) == 2, "each rank is a process of its own"
+            assert ranks[0]["sharded_weight_bytes"] == ranks[1]["sharded_weight_bytes"] > 0
+            assert ranks[0]["kv_cache_bytes"] == ranks[1]["kv_cache_bytes"] > 0
+        busy = [w["tensor_parallel"] for w in tp_workers if w["tensor_parallel"]["steps"]]
+        assert busy and all(tp["all_reduce_ms_per_step"] > 0 for tp in busy)
+        if decode_replicas > 1:
+            kill_a_rank_mid_stream(url, client, model, api, hf_greedy, model_dir)
+
+
+def kill_a_rank_mid_stream(
+    url: str, client: Any, model: str, api: Any, hf_greedy: Any, model_dir: Path
+) -> None:
+    rng = random.Random(12)
+    prompt = [rng.randrange(5, 512) for _ in range(40)]
+    (want,) = hf_greedy(model_dir, [prompt], STREAM_TOKENS)
+    local_before = api.local_prefills(url)
+    got: list[int] = []
+    killed = None
+    for chunk in api.greedy_stream(client, model, prompt, STREAM_TOKENS):
+        got += chunk.choices[0].model_extra["token_ids"]
+        if killed is None and len(got) >= 8:
+            busy = [w for w in api.get_json(f"{url}/workers")["workers"] if w["running"]]
+            assert len(busy) == 1 and busy[0]["role"] == "decode", busy
+            killed = busy[0]
+            ranks = killed["tensor_parallel"]["ranks"]
+            assert ranks[1]["pid"] != killed["pid"], "rank 1 is a process of its own"
+            os.kill(ranks[1]["pid"], signal.SIGKILL)
+    assert killed is not None
+    assert got == want, "the resumed stream must continue exactly where it broke"
+    assert api.metric(url, "pdserve_decode_resumes_total") == 1.0
+    assert api.local_prefills(url) == {**local_before, "resume": 1.0}
+    for w in api.get_json(f"{url}/workers")["workers"]:
+        if w["worker_id"] != killed["worker_id"] and "error" not in w:
+            assert (w["running"], w["kv_blocks_used"]) == (0, 0), w
+            assert w.get("pending_transfers", 0) == 0, w
