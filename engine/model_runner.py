@@ -1,8 +1,13 @@
 """Runs one scheduler step on the model: builds flat inputs, forwards, samples.
 
 The only engine module besides the model that touches tensors. One step = one forward
-over every scheduled token (prefill chunks first, then decode tokens) and one sampling
-call for the sequences whose step completes their tokens.
+over every scheduled token (prefill chunks first, then verify rows, then decode tokens)
+and one sampling call for the sequences whose step completes their tokens.
+
+A verify row (speculative decoding: a sequence's last token and `m` proposed tokens)
+rides in the batch as a prefill chunk with context: it attends to the sequence's paged
+KV and causally within itself, writing its KV into the slots the scheduler reserved.
+All its `m + 1` positions sample, and `speculative.accept` keeps the tokens to emit.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pdserve.engine.ops import ops_for
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import TokenLogprobs
+from pdserve.engine.speculative import accept
 
 if TYPE_CHECKING:
     from pdserve.engine.tp_worker import TPWorkers
@@ -33,8 +39,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StepResult:
-    sampled: dict[str, int]  # request id -> sampled token
-    logprobs: dict[str, TokenLogprobs]
+    # request id -> the tokens to append: one, or a verify row's accepted proposals and
+    # the target's next token
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]  # one per token of `sampled`, when wanted
 
 
 def allocate_kv_cache(
@@ -101,7 +109,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         graphs = self.graphs
-        if graphs is not None and not out.prefills and out.decodes:
+        if graphs is not None and not out.prefills and not out.verifies and out.decodes:
             max_context_len = max(item.start + 1 for item in out.decodes)
             if graphs.fits(len(out.decodes), max_context_len):
                 return self._execute_graph(graphs, out)
@@ -160,12 +168,7 @@ class ModelRunner:
         return self._sample(logits, [decodes[i] for i in sample_rows])
 
     def _sample(self, logits: torch.Tensor, sample_items: list[ScheduledSeq]) -> StepResult:
-        """Sample one token per row of `logits` [N, vocab], row i for sample_items[i]."""
-        ids = [item.seq.request_id for item in sample_items]
-        sampled_at = [item.seq.num_tokens for item in sample_items]  # the new token's position
-        result = self.sampler(logits, sampled_at, [item.seq.params for item in sample_items])
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp}
-        return StepResult(dict(zip(ids, result.token_ids, strict=True)), logprobs)
+        return sample_step(self.sampler, logits, sample_items)
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64, device=self.device)
@@ -191,6 +194,18 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(query_start + n - 1)
                 sample_items.append(item)
+        # Verify rows: the last token and the proposals, as a chunk over the context.
+        for item in out.verifies:
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            block_ids = [b.block_id for b in seq.blocks[: -(-(start + n) // bs)]]
+            query_start = len(tokens)
+            prefills.append(PrefillMeta(query_start, n, start + n, self._tensor(block_ids)))
+            tokens.append(seq.all_token_ids[start])
+            tokens.extend(item.spec_token_ids)
+            positions.extend(range(start, start + n))
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            sample_rows.extend(range(query_start, query_start + n))
+            sample_items.append(item)
         num_prefill_tokens = len(tokens)
         # Decodes ordered by context length: the torch backend attends to runs of similar
         # lengths together, padding each run only to its own longest context.
@@ -240,3 +255,45 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             context_lens_list=context_lens,
         )
+
+
+def sample_step(
+    sampler: Sampler, logits: torch.Tensor, sample_items: list[ScheduledSeq]
+) -> StepResult:
+    """Sample the rows of `logits` [N, vocab]: in sample_items' order, one row per
+    item, or 1 + m rows for a verify row with m proposals."""
+    ids = [item.seq.request_id for item in sample_items]
+    if not any(item.spec_token_ids for item in sample_items):
+        sampled_at = [item.seq.num_tokens for item in sample_items]  # the new token's
+        result = sampler(logits, sampled_at, [item.seq.params for item in sample_items])
+        one = {rid: [lp] for rid, lp in zip(ids, result.logprobs, strict=True) if lp}
+        return StepResult({rid: [t] for rid, t in zip(ids, result.token_ids, strict=True)}, one)
+    positions: list[int] = []
+    params = []
+    for item in sample_items:
+        n = 1 + len(item.spec_token_ids)
+        # Row j predicts the token at num_tokens + j: decoding's own draw for it.
+        positions.extend(range(item.seq.num_tokens, item.seq.num_tokens + n))
+        params.extend([item.seq.params] * n)
+    targets = sampler.sample(logits, positions, params)
+    sampled: dict[str, list[int]] = {}
+    kept_rows: list[int] = []  # the rows of the emitted tokens
+    row = 0
+    for rid, item in zip(ids, sample_items, strict=True):
+        n = 1 + len(item.spec_token_ids)
+        tokens = accept(targets[row : row + n], list(item.spec_token_ids))
+        sampled[rid] = tokens
+        kept_rows.extend(range(row, row + len(tokens)))
+        row += n
+    kept_params = [params[r] for r in kept_rows]
+    if all(p.logprobs is None for p in kept_params):
+        return StepResult(sampled, {})
+    flat = sampler.logprobs(logits, [targets[r] for r in kept_rows], kept_params, kept_rows)
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    at = 0
+    for rid, tokens in sampled.items():
+        lps = flat[at : at + len(tokens)]
+        at += len(tokens)
+        if lps[0] is not None:
+            logprobs[rid] = [lp for lp in lps if lp is not None]
+    return StepResult(sampled, logprobs)

@@ -1,18 +1,31 @@
-"""Speculative decoding with prompt-lookup proposals (engine/speculative.py): the
-configuration, the proposer against its brute-force definition, the acceptance rule."""
+"""Speculative decoding with prompt-lookup proposals (engine/speculative.py).
+
+Greedy tokens with speculation must equal `transformers`' (and so the engine's without
+it) through every engine path, and rejected proposals leave no trace in the KV pool or
+the prefix cache.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.engine.hashing import hash_namespace
+from pdserve.engine import LLM, EngineConfig, SamplingParams
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.hashing import ROOT_HASH, hash_block_chain, hash_namespace
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculative import NgramProposer, SpeculativeConfig, accept, propose_from
 
+MAX_TOKENS = 32
 NS = hash_namespace("test-model")
 
 
@@ -98,3 +111,462 @@ def test_accept_keeps_the_agreeing_prefix_and_the_target_after_it() -> None:
     assert accept([1, 2, 3, 4], [1, 2, 3]) == [1, 2, 3, 4]  # all accepted + bonus
     assert accept([1, 5, 3, 4], [1, 2, 3]) == [1, 5]  # the target's token at the mismatch
     assert accept([6, 2, 3, 4], [1, 2, 3]) == [6]
+
+
+# -- the scheduler: slots, budget, rollback --------------------------------------------
+
+
+class FixedProposer:
+    """Proposes `tokens` (cut to what the scheduler allows) for the request ids given."""
+
+    def __init__(self, tokens: list[int], request_ids: set[str], k: int = 4) -> None:
+        self.tokens = tokens
+        self.request_ids = request_ids
+        self.num_speculative_tokens = k
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        return self.tokens[:max_tokens] if seq.request_id in self.request_ids else []
+
+
+def _decoding(sched: Scheduler, *seqs: Sequence) -> None:
+    """Prefill `seqs` in one step (each samples a first token 7)."""
+    budget = sched.limits.max_num_batched_tokens
+    sched.limits.max_num_batched_tokens = 1024
+    for seq in seqs:
+        sched.add(seq)
+    out = sched.schedule()
+    assert len(out.prefills) == len(seqs)
+    sched.update(out, {s.request_id: 7 for s in seqs})
+    sched.limits.max_num_batched_tokens = budget
+
+
+def test_verify_rows_take_spare_budget_and_reserve_slots() -> None:
+    pool = BlockPool(32, enable_caching=True)
+    limits = SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=6, max_model_len=64)
+    proposer = FixedProposer([11, 12, 13, 14], {"a", "b"})
+    sched = Scheduler(KVCacheManager(pool, 4), limits, proposer=proposer)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    a, b, c = (Sequence(r, [1, 2, 3], params, frozenset(), NS) for r in "abc")
+    _decoding(sched, a, b, c)
+    out = sched.schedule()
+    # Every decode first (3 tokens of 6), then proposals from what is left: 3 for a.
+    assert [(v.seq.request_id, v.num_new_tokens, v.spec_token_ids) for v in out.verifies] == [
+        ("a", 4, (11, 12, 13))
+    ]
+    assert [d.seq.request_id for d in out.decodes] == ["b", "c"]
+    assert out.num_tokens == 6
+    assert len(a.blocks) == 2  # positions 3..6: slots reserved past the first block
+    # The target agrees with 11 only: a gets 11 and the target's 50; its computed tokens
+    # end after 11 (positions 0..4) and the block of rejected slots only is kept (it
+    # holds the next token's slot).
+    finished = sched.update(out, {"a": [11, 50], "b": [8], "c": [8]})
+    assert not finished
+    assert a.output_token_ids == [7, 11, 50]
+    assert a.num_computed_tokens == 5 and a.num_tokens == 6
+    assert len(a.blocks) == 2
+    assert sched.spec_stats.gauges() == {
+        "spec_proposed_tokens": 3,
+        "spec_accepted_tokens": 1,
+        "spec_emitted_tokens": 2,
+        "spec_verify_rows": 1,
+        "spec_verify_steps": 1,
+    }
+
+
+def test_rejected_slots_go_back_to_the_pool_first_in_line() -> None:
+    pool = BlockPool(16, enable_caching=True)
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    sched = Scheduler(KVCacheManager(pool, 4), limits, proposer=FixedProposer([9] * 8, {"a"}, 8))
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=30, temperature=0.0), frozenset(), NS)
+    _decoding(sched, a)
+    out = sched.schedule()
+    assert out.verifies[0].num_new_tokens == 9  # positions 3..11: blocks 0, 1, 2
+    assert len(a.blocks) == 3
+    third = a.blocks[2]
+    sched.update(out, {"a": [5]})  # the first proposal is rejected
+    assert a.num_computed_tokens == 4 and a.num_tokens == 5
+    assert len(a.blocks) == 2 and third.ref_count == 0 and third.block_hash is None
+    assert pool.allocate(1) == [third]  # reused before any other free block
+
+
+def test_speculation_never_preempts() -> None:
+    pool = BlockPool(2, enable_caching=False)
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=8)
+    sched = Scheduler(KVCacheManager(pool, 4), limits, proposer=FixedProposer([9] * 4, {"a"}))
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0), frozenset(), NS)
+    b = Sequence("b", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0), frozenset(), NS)
+    _decoding(sched, a, b)
+    out = sched.schedule()  # a's proposals would need a third block: decoded plainly
+    assert not out.verifies and not out.preempted and len(out.decodes) == 2
+
+
+def test_proposals_stop_at_max_tokens_and_the_context() -> None:
+    pool = BlockPool(32, enable_caching=False)
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=9)
+    proposer = FixedProposer([9] * 8, {"a", "b"}, 8)
+    sched = Scheduler(KVCacheManager(pool, 4), limits, proposer=proposer)
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0), frozenset(), NS)
+    b = Sequence("b", [1, 2], SamplingParams(max_tokens=30, temperature=0.0), frozenset(), NS)
+    _decoding(sched, a, b)
+    out = sched.schedule()
+    # a: 2 more tokens may come, so 1 proposal; b: 3 tokens of 9, 6 more fit: 5 proposals
+    # (and the target's token after them).
+    assert {v.seq.request_id: len(v.spec_token_ids) for v in out.verifies} == {"a": 1, "b": 5}
+
+
+def test_a_stop_inside_the_accepted_tokens_drops_the_rest() -> None:
+    pool = BlockPool(16, enable_caching=True)
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    sched = Scheduler(KVCacheManager(pool, 4), limits, proposer=FixedProposer([4, 5, 6], {"a"}))
+    params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[5])
+    a = Sequence("a", [1, 2, 3], params, frozenset(), NS)
+    _decoding(sched, a)
+    out = sched.schedule()
+    assert out.verifies[0].spec_token_ids == (4, 5, 6)
+    seen: list[tuple[int, int]] = []
+    finished = sched.update(out, {"a": [4, 5, 6, 8]}, lambda s, i, t: seen.append((i, t)) or False)
+    assert finished == [a] and a.finish_reason is not None and a.finish_reason.value == "stop"
+    assert a.output_token_ids == [7, 4, 5] and seen == [(0, 4), (1, 5)]
+    assert sched.spec_stats.accepted_tokens == 3 and sched.spec_stats.emitted_tokens == 2
+    pool.check_no_leaks()
+
+
+# -- the engine: greedy tokens ----------------------------------------------------------
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    """Repetitive prompts (proposals from the prompt, and random models' outputs that
+    fall into loops) and random ones (proposals mostly rejected)."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(3, 512) for _ in range(n)]  # noqa: E731 - skip specials
+    phrase, shared = ids(9), ids(20)
+    return [
+        phrase * 4,
+        shared + phrase * 2 + shared[:5],
+        shared + ids(7),
+        ids(3) * 6 + ids(2),
+        ids(1),
+        ids(45),
+        ids(17),
+        shared + ids(30),
+    ]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint: Any, hf_greedy: Any) -> tuple[Path, list[list[int]]]:
+    model_dir = make_checkpoint()
+    return model_dir, hf_greedy(model_dir, make_prompts(), MAX_TOKENS)
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+MODES: dict[str, dict[str, Any]] = {
+    "prefix-cache": {"enable_prefix_caching": True, "block_size": 4},
+    "chunked-prefill": {"max_num_batched_tokens": 12, "block_size": 4},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+}
+
+
+def check_pool(engine: LLMEngine, outs: list[RequestOutput]) -> None:
+    """No block leaked, and every block in the prefix cache holds tokens of some
+    request's final sequence: none was registered with a proposal later rejected."""
+    engine.block_pool.check_no_leaks()
+    bs = engine.config.block_size
+    valid = set()
+    for out in outs:
+        tokens = out.prompt_token_ids + out.token_ids
+        valid.update(hash_block_chain(tokens, bs, engine.hash_namespace, ROOT_HASH))
+    cached = set(engine.block_pool.cached_hashes())
+    assert cached <= valid, f"{len(cached - valid)} cached blocks hold unaccepted tokens"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_greedy_tokens_equal_transformers(
+    checkpoint: tuple[Path, list[list[int]]], k: int, mode: str
+) -> None:
+    model_dir, expected = checkpoint
+    llm = LLM(model_dir, dtype="float32", speculative=f"ngram:k={k}", **MODES[mode])
+    outs = llm.generate(make_prompts(), GREEDY)
+    for i, (out, ref) in enumerate(zip(outs, expected, strict=True)):
+        assert out.token_ids == ref, f"prompt {i} diverged with k={k} in mode {mode}"
+        assert out.finish_reason == "length"
+    stats = llm.engine.spec_stats()
+    assert stats.accepted_tokens > 0  # the repetitive prompts' proposals are accepted
+    assert stats.accepted_tokens < stats.proposed_tokens  # and random ones rejected
+    assert stats.emitted_tokens == stats.accepted_tokens + stats.verify_rows
+    if mode == "chunked-prefill":
+        assert llm.engine.scheduler.stats.num_chunked_prefill_steps > 0
+    check_pool(llm.engine, outs)
+    if mode == "prefix-cache":
+        # The cached blocks' KV is the accepted tokens': prompts extended by their own
+        # outputs hit the cache and go on exactly as before.
+        again = [out.prompt_token_ids + out.token_ids[:13] for out in outs]
+        params = SamplingParams(max_tokens=MAX_TOKENS - 13, temperature=0.0, ignore_eos=True)
+        outs2 = llm.generate(again, params)
+        assert sum(o.num_cached_tokens for o in outs2) > 0
+        for out, ref in zip(outs2, expected, strict=True):
+            assert out.token_ids == ref[13:]
+        check_pool(llm.engine, outs + outs2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_tokens_equal_through_each_cpu_backend(
+    checkpoint: tuple[Path, list[list[int]]], backend: str
+) -> None:
+    model_dir, expected = checkpoint
+    llm = LLM(model_dir, dtype="float32", attention_backend=backend, speculative="ngram:k=3")
+    assert llm.engine.runner.backend.name == backend
+    outs = llm.generate(make_prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.spec_stats().accepted_tokens > 0
+    check_pool(llm.engine, outs)
+
+
+def test_preemption_mid_speculation(checkpoint: tuple[Path, list[list[int]]]) -> None:
+    model_dir, expected = checkpoint
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        num_kv_blocks=40,
+        block_size=4,
+        max_model_len=128,
+        speculative="ngram:k=4",
+    )
+    outs = llm.generate(make_prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert llm.engine.spec_stats().accepted_tokens > 0
+    check_pool(llm.engine, outs)
+
+
+class OnlyFor:
+    """A proposer that proposes for some requests only."""
+
+    def __init__(self, inner: NgramProposer, request_ids: set[str]) -> None:
+        self.inner = inner
+        self.request_ids = request_ids
+        self.num_speculative_tokens = inner.num_speculative_tokens
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        if seq.request_id not in self.request_ids:
+            return []
+        return self.inner.propose(seq, max_tokens)
+
+
+def test_mixed_step_of_verify_rows_decodes_and_a_prefill(
+    checkpoint: tuple[Path, list[list[int]]],
+) -> None:
+    """Some sequences propose, some do not, and a prompt prefills in the same steps."""
+    model_dir, expected = checkpoint
+    llm = LLM(model_dir, dtype="float32", block_size=4, speculative="ngram:k=4")
+    engine = llm.engine
+    proposer = engine.scheduler.proposer
+    assert isinstance(proposer, NgramProposer)
+    engine.scheduler.proposer = OnlyFor(proposer, {"p0", "p1", "p3"})
+    shapes: list[tuple[int, int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording() -> SchedulerOutput:
+        out = schedule()
+        shapes.append((len(out.prefills), len(out.verifies), len(out.decodes)))
+        return out
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    prompts = make_prompts()
+    finals: dict[str, RequestOutput] = {}
+    for i in range(4):
+        engine.add_request(f"p{i}", prompts[i], GREEDY)
+    for _ in range(4):
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    for i in range(4, len(prompts)):  # late arrivals prefill beside the decoding ones
+        engine.add_request(f"p{i}", prompts[i], GREEDY)
+    while engine.has_unfinished:
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [finals[f"p{i}"].token_ids for i in range(len(prompts))] == expected
+    assert any(p and v and d for p, v, d in shapes), shapes
+    check_pool(engine, list(finals.values()))
+
+
+def test_triton_backend_verify_rows(make_checkpoint: Any) -> None:
+    """Verify rows through the Triton kernels (paged prefill attention with context, KV
+    writes), in Triton's interpreter on CPU: tiny, like tests/kernels/test_backend.py."""
+    model_dir = make_checkpoint(hidden_size=64, num_heads=4, num_kv_heads=2)
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = LLM(model_dir, dtype="float32", attention_backend="torch").generate(prompts, params)
+    llm = LLM(model_dir, dtype="float32", attention_backend="triton", speculative="ngram:k=3")
+    assert llm.engine.runner.backend.name == "triton"
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.spec_stats().verify_rows > 0
+    check_pool(llm.engine, got)
+
+
+def test_tensor_parallel_verify_rows(checkpoint: tuple[Path, list[list[int]]]) -> None:
+    """At TP=2 (2 CPU ranks over gloo) every rank runs the verify rows and the driver
+    gathers the logits of all their positions."""
+    model_dir, expected = checkpoint
+    with LLM(
+        model_dir,
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=4,
+        tensor_parallel_size=2,
+        speculative="ngram:k=3",
+    ) as llm:
+        outs = llm.generate(make_prompts(), GREEDY)
+        assert [o.token_ids for o in outs] == expected
+        assert llm.engine.spec_stats().accepted_tokens > 0
+        check_pool(llm.engine, outs)
+
+
+# -- stops, lengths, logprobs, streaming -----------------------------------------------
+
+
+def _streamed(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    engine.add_request("s", prompt, params, stream=True)
+    outs = []
+    while engine.has_unfinished:
+        outs.extend(engine.step())
+    return outs
+
+
+def test_streaming_carries_several_tokens_per_step(
+    checkpoint: tuple[Path, list[list[int]]],
+) -> None:
+    model_dir, expected = checkpoint
+    llm = LLM(model_dir, dtype="float32", speculative="ngram:k=4")
+    outs = _streamed(llm.engine, make_prompts()[0], GREEDY)
+    final = outs[-1]
+    assert final.finished and final.token_ids == expected[0]
+    assert [t for o in outs for t in o.new_token_ids] == final.token_ids
+    assert "".join(o.new_text for o in outs) == final.text
+    assert max(len(o.new_token_ids) for o in outs) > 1
+    assert final.text == llm.tokenizer.decode(expected[0])
+
+
+def _multi_token_steps(engine: LLMEngine, prompt: list[int]) -> list[list[int]]:
+    """The tokens each step added to one greedy request, with speculation."""
+    return [o.new_token_ids for o in _streamed(engine, prompt, GREEDY)]
+
+
+def test_stop_string_inside_an_accepted_run(checkpoint: tuple[Path, list[list[int]]]) -> None:
+    """A stop string that completes in the middle of a step's tokens ends the request
+    there, exactly as without speculation (same tokens, text and reason)."""
+    model_dir, _ = checkpoint
+    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=5")
+    plain = LLM(model_dir, dtype="float32")
+    tok = spec.tokenizer
+    tried = 0
+    for prompt in make_prompts():
+        steps = _multi_token_steps(spec.engine, prompt)
+        tokens = [t for step in steps for t in step]
+        at = 0
+        for step in steps:
+            for j in range(len(step) - 1):  # not the step's last token
+                cut = at + j + 1
+                before, upto = tok.decode(tokens[: cut - 1]), tok.decode(tokens[:cut])
+                # The shortest end of the text that first appears with this token.
+                stop = next(
+                    (upto[-n:] for n in range(1, len(upto) + 1) if upto[-n:] not in before), ""
+                )
+                if not stop.strip() or len(stop) > 64:
+                    continue
+                params = SamplingParams(
+                    max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop=[stop]
+                )
+                [want] = plain.generate([prompt], params)
+                before_stats = dataclasses.replace(spec.engine.spec_stats())
+                [got] = spec.generate([prompt], params)
+                stats = spec.engine.spec_stats()
+                # The step that completed the stop had verified tokens past it: cut.
+                accepted = stats.accepted_tokens - before_stats.accepted_tokens
+                rows = stats.verify_rows - before_stats.verify_rows
+                assert stats.emitted_tokens - before_stats.emitted_tokens < accepted + rows
+                assert (got.token_ids, got.text, got.finish_reason) == (
+                    want.token_ids,
+                    want.text,
+                    want.finish_reason,
+                )
+                assert got.finish_reason == "stop" and len(got.token_ids) == cut
+                assert stop not in got.text
+                tried += 1
+                if tried >= 3:
+                    spec.engine.block_pool.check_no_leaks()
+                    return
+            at += len(step)
+    pytest.fail(f"only {tried} stop strings landed inside an accepted run")
+
+
+def test_stop_token_and_every_max_tokens(
+    checkpoint: tuple[Path, list[list[int]]],
+) -> None:
+    model_dir, expected = checkpoint
+    llm = LLM(model_dir, dtype="float32", speculative="ngram:k=5")
+    steps = _multi_token_steps(llm.engine, make_prompts()[0])
+    tokens = [t for step in steps for t in step]
+    assert tokens == expected[0]
+    for n in range(1, len(tokens) + 1):  # every length, some ending inside a run
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        [out] = llm.generate([make_prompts()[0]], params)
+        assert out.token_ids == tokens[:n] and out.finish_reason == "length"
+    # A stop token (random models' accepted runs copy earlier output tokens, so it
+    # first occurs before them; test_a_stop_inside_the_accepted_tokens_drops_the_rest
+    # stops inside a run).
+    stop_id = max(tokens, key=tokens.count)
+    first = tokens.index(stop_id)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]
+    )
+    [out] = llm.generate([make_prompts()[0]], params)
+    assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop"
+    llm.engine.block_pool.check_no_leaks()
+
+
+def test_context_limit_inside_an_accepted_run(checkpoint: tuple[Path, list[list[int]]]) -> None:
+    model_dir, expected = checkpoint
+    prompt = make_prompts()[0]  # 36 tokens
+    for max_len in (39, 45, 52):
+        llm = LLM(model_dir, dtype="float32", max_model_len=max_len, speculative="ngram:k=5")
+        [out] = llm.generate([prompt], GREEDY)
+        assert out.token_ids == expected[0][: max_len - len(prompt)]
+        assert out.finish_reason == "length"
+        llm.engine.block_pool.check_no_leaks()
+
+
+def test_logprobs_are_the_targets(checkpoint: tuple[Path, list[list[int]]]) -> None:
+    model_dir, _ = checkpoint
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=4")
+    plain = LLM(model_dir, dtype="float32")
+    prompts = make_prompts()[:4]
+    wanted = plain.generate(prompts, params)
+    for got, want in zip(spec.generate(prompts, params), wanted, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.logprobs is not None and want.logprobs is not None
+        assert len(got.logprobs) == len(got.token_ids)
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.token_id == b.token_id
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert spec.engine.spec_stats().accepted_tokens > 0
+
+
+# -- gauges ----------------------------------------------------------------------------
+
+
+def test_load_reports_spec_gauges_only_with_speculation(
+    checkpoint: tuple[Path, list[list[int]]],
+) -> None:
+    model_dir, _ = checkpoint
+    plain = LLM(model_dir, dtype="float32")
+    assert not any(key.startswith("spec_") for key in plain.engine.load())
+    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=2")
+    spec.generate(make_prompts()[:2], GREEDY)
+    load = spec.engine.load()
+    stats = spec.engine.spec_stats()
+    assert load["spec_proposed_tokens"] == stats.proposed_tokens > 0
+    assert load["spec_accepted_tokens"] == stats.accepted_tokens > 0
+    assert load["spec_emitted_tokens"] == stats.emitted_tokens
+    assert load["spec_verify_steps"] == stats.verify_steps > 0
+    assert load["spec_verify_rows"] == stats.verify_rows >= stats.verify_steps
