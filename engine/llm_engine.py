@@ -41,6 +41,7 @@ from pdserve.engine.memory_profile import (
     check_share_is_free,
     measure_step_peak,
     profile_batches,
+    profile_verify_rows,
 )
 from pdserve.engine.model import LlamaModel, load_model
 from pdserve.engine.model_config import ModelConfig, load_model_config
@@ -295,6 +296,9 @@ class LLMEngine:
         """(max_model_len, blocks) from the memory the loaded model leaves of the engine's
         share, measured over its largest step (engine/memory_profile.py)."""
         cfg, max_len = self.config, self.max_model_len
+        spec = cfg.speculative_config
+        k = 0 if spec is None else spec.num_speculative_tokens
+        rows = profile_verify_rows(cfg.max_num_seqs, cfg.max_num_batched_tokens, k, max_len)
         peak, scratch_bytes = measure_step_peak(
             self._profile_runner,
             reader,
@@ -302,6 +306,7 @@ class LLMEngine:
             cfg.block_size,
             max_len,
             self.model_config.vocab_size,
+            verify=(rows, k) if spec is not None else (0, 0),
         )
         end = reader.snapshot()  # the profile's tensors are gone: only the model remains
         self.memory_profile = profile = MemoryProfile(
