@@ -1,8 +1,10 @@
 """Speculative decoding with prompt-lookup proposals (engine/speculative.py).
 
 Greedy tokens with speculation must equal `transformers`' (and so the engine's without
-it) through every engine path, and rejected proposals leave no trace in the KV pool or
-the prefix cache.
+it) through every engine path; seeded sampled tokens equal the engine's without it (the
+verify rows draw decoding's own numbers); the acceptance rule's output distribution is
+the target's (a chi-square test over a small vocabulary); rejected proposals leave no
+trace in the KV pool or the prefix cache.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from pdserve.engine import LLM, EngineConfig, SamplingParams
@@ -20,8 +23,10 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.hashing import ROOT_HASH, hash_block_chain, hash_namespace
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import sample_step
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculative import NgramProposer, SpeculativeConfig, accept, propose_from
 
@@ -550,6 +555,120 @@ def test_logprobs_are_the_targets(checkpoint: tuple[Path, list[list[int]]]) -> N
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert spec.engine.spec_stats().accepted_tokens > 0
+
+
+# -- sampled requests ------------------------------------------------------------------
+
+
+SAMPLED = [
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1, ignore_eos=True),
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_k=20, seed=2, ignore_eos=True),
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.6, top_p=0.9, seed=3, ignore_eos=True),
+]
+
+
+def test_seeded_sampling_gives_the_tokens_of_decoding_without_speculation(
+    checkpoint: tuple[Path, list[list[int]]],
+) -> None:
+    """Verify rows draw with decoding's own (seed, position) numbers: a seeded request
+    gets the same tokens with and without speculation, and again on a second run."""
+    model_dir, _ = checkpoint
+    prompts = make_prompts()[:4] * 3
+    params = [SAMPLED[i % 3] for i in range(len(prompts))]
+    plain = LLM(model_dir, dtype="float32").generate(prompts, params)
+    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=4")
+    first = spec.generate(prompts, params)
+    second = spec.generate(prompts, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in second] == [o.token_ids for o in plain]
+    stats = spec.engine.spec_stats()
+    assert 0 < stats.accepted_tokens < stats.proposed_tokens
+    check_pool(spec.engine, first + second)
+
+
+def test_unseeded_sampling_runs_and_accepts(checkpoint: tuple[Path, list[list[int]]]) -> None:
+    model_dir, _ = checkpoint
+    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=4")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.3, ignore_eos=True)
+    outs = spec.generate(make_prompts(), params)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    assert spec.engine.spec_stats().accepted_tokens > 0
+    check_pool(spec.engine, outs)
+
+
+def _chi_square_p(observed: dict[Any, int], expected: dict[Any, float], total: int) -> float:
+    """Pearson's chi-square p-value of `observed` counts against `expected` probabilities
+    (every category with a positive probability; none observed outside them)."""
+    assert set(observed) <= set(expected), set(observed) - set(expected)
+    stat = sum(
+        (observed.get(c, 0) - total * p) ** 2 / (total * p) for c, p in expected.items() if p > 0
+    )
+    df = sum(p > 0 for p in expected.values()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+
+
+def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row draws from: tempered, then top-k, then top-p."""
+    probs = (logits / params.temperature).softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for rank, i in enumerate(order.tolist()):
+        if (0 < params.top_k <= rank) or mass >= params.top_p:
+            break
+        keep[i] = True
+        mass += float(probs[i])
+    probs = probs * keep
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=4),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, seed=0),  # seed is replaced per trial below
+    ],
+    ids=["plain", "temp-topk", "temp-topp", "seeded"],
+)
+def test_rejection_sampling_emits_the_target_distribution(params: SamplingParams) -> None:
+    """Verify rows of two proposals over a 6-token vocabulary: the emitted sequences
+    (rejected at the first proposal, at the second, or both accepted and a bonus token)
+    must have the probabilities decoding without speculation gives them. Each trial is
+    its own sequence (seeded trials: seed = trial), all verified in one sampling call,
+    through the runner's own sampling of a step (`sample_step`)."""
+    trials = 12000
+    gen = torch.Generator().manual_seed(1)
+    row_logits = torch.randn(3, 6, generator=gen) * 1.5  # positions 0, 1 and the bonus
+    p0, p1, p2 = (_target(row_logits[j], params) for j in range(3))
+    # Proposals the target takes now and then: p0's second most likely token, p1's first.
+    proposals = (int(p0.argsort(descending=True)[1]), int(p1.argmax()))
+    items, logits = [], []
+    for trial in range(trials):
+        p = params
+        if params.seed is not None:
+            p = SamplingParams(temperature=params.temperature, seed=trial)
+        seq = Sequence(f"t{trial}", [1, 2, 3], p, frozenset(), NS)
+        items.append(ScheduledSeq(seq, 3, 2, proposals))
+        logits.append(row_logits)
+    result = sample_step(Sampler(0, torch.device("cpu")), torch.cat(logits), items)
+    observed: dict[tuple[int, ...], int] = {}
+    for tokens in result.sampled.values():
+        observed[tuple(tokens)] = observed.get(tuple(tokens), 0) + 1
+    x0, x1 = proposals
+    expected: dict[tuple[int, ...], float] = {}
+    for y in range(6):
+        expected[(y,)] = float(p0[y]) if y != x0 else 0.0
+        expected[(x0, y)] = float(p0[x0] * p1[y]) if y != x1 else 0.0
+        expected[(x0, x1, y)] = float(p0[x0] * p1[x1] * p2[y])
+    assert abs(sum(expected.values()) - 1) < 1e-5
+    assert p0[x0] > 0.05 and p1[x1] > 0.05, (p0, p1)
+    p_value = _chi_square_p(observed, expected, trials)
+    assert p_value > 1e-3, (p_value, observed, expected)
+    # The acceptance rate of the first proposal is its target probability.
+    accepted = sum(c for seq, c in observed.items() if len(seq) > 1) / trials
+    assert abs(accepted - float(p0[x0])) < 4 * (float(p0[x0]) * (1 - float(p0[x0])) / trials) ** 0.5
 
 
 # -- gauges ----------------------------------------------------------------------------
