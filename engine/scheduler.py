@@ -84,12 +84,14 @@ class SchedulerOutput:
         return (*self.prefills, *self.verifies, *self.decodes)
 
     def shape(self) -> StepShape:
-        """What the step costs depend on (the cost model's input). A verify row computes
-        like a chunk of its query tokens over its context."""
-        chunks = [(s.start, s.num_new_tokens) for s in (*self.prefills, *self.verifies)]
+        """What the step costs depend on (the cost model's input). A verify row of n
+        tokens runs as n decode rows (model_runner.py), of contexts start + 1..start + n."""
+        chunks = [(s.start, s.num_new_tokens) for s in self.prefills]
+        verify = [(s.start, s.num_new_tokens) for s in self.verifies]
         return StepShape(
-            decode_rows=len(self.decodes),
-            decode_context=sum(s.start + 1 for s in self.decodes),
+            decode_rows=len(self.decodes) + sum(n for _, n in verify),
+            decode_context=sum(s.start + 1 for s in self.decodes)
+            + sum(n * start + n * (n + 1) // 2 for start, n in verify),
             prefill_tokens=sum(n for _, n in chunks),
             prefill_attention=sum(chunk_attention(start, n) for start, n in chunks),
         )
@@ -269,8 +271,9 @@ class Scheduler:
             m = len(proposal)
             out.verifies.append(ScheduledSeq(seq, 1 + m, item.start, tuple(proposal)))
             budget -= m
-            if cap is not None:  # the proposals cost like a chunk after the decode token
-                cap.shape = cap.shape.with_chunk(item.start + 1, m)
+            if cap is not None:  # each proposal runs as one more decode row
+                for j in range(1, m + 1):
+                    cap.shape = cap.shape.with_decode(item.start + j + 1)
                 cap.room -= m
         out.decodes = decodes
         if out.verifies:

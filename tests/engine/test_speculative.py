@@ -407,6 +407,42 @@ def test_triton_backend_verify_rows(make_checkpoint: Any) -> None:
     check_pool(llm.engine, got)
 
 
+def test_cuda_graph_runner_takes_verify_rows(make_checkpoint: Any) -> None:
+    """A step of verify rows and plain decodes is all decode rows: it replays through the
+    CUDA graph runner's padded static buffers (eager replay on CPU, Triton interpreted)."""
+    model_dir = make_checkpoint(hidden_size=64, num_heads=4, num_kv_heads=2)
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = LLM(model_dir, dtype="float32", attention_backend="torch").generate(prompts, params)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        attention_backend="triton",
+        enforce_eager=True,
+        speculative="ngram:k=3",
+    )
+    runner = llm.engine.runner
+    runner.capture_cuda_graphs(8, llm.engine.max_model_len, use_cuda_graph=False)
+    assert runner.graphs is not None
+    graph_verify_steps = 0
+    execute = runner.execute
+
+    def counting(out: SchedulerOutput) -> Any:
+        nonlocal graph_verify_steps
+        graphs = runner.graphs
+        assert graphs is not None
+        before = sum(graphs.steps.values())
+        result = execute(out)
+        graph_verify_steps += bool(out.verifies) and sum(graphs.steps.values()) > before
+        return result
+
+    runner.execute = counting  # type: ignore[method-assign]
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert graph_verify_steps > 0
+    check_pool(llm.engine, got)
+
+
 def test_tensor_parallel_verify_rows(checkpoint: tuple[Path, list[list[int]]]) -> None:
     """At TP=2 (2 CPU ranks over gloo) every rank runs the verify rows and the driver
     gathers the logits of all their positions."""
