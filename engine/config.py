@@ -95,8 +95,10 @@ class EngineConfig(BaseModel):
         " up to K tokens (1..8) per decoding sequence by prompt lookup (its last N tokens,"
         " N..1, matched in its own prompt and output; N in 1..16, default 3) and verifies"
         " them in one forward pass: greedy tokens are exactly those without it, sampled"
-        ' ones have exactly its distribution. "ngram" alone: K=4, N=3. A draft model'
-        ' ("draft:PATH,k=K") is not implemented yet. None: off.',
+        " ones have exactly its distribution. With adaptive=on (the default) only the"
+        " proposed tokens worth their cost are verified (each sequence's acceptance so far"
+        ' against the measured step costs); adaptive=off verifies all. "ngram" alone: K=4,'
+        ' N=3. A draft model ("draft:PATH,k=K") is not implemented yet. None: off.',
     )
     tensor_parallel_size: int = Field(
         default=1,

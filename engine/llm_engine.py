@@ -59,7 +59,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, TokenLogprobs
-from pdserve.engine.speculative import SpecStats, make_proposer
+from pdserve.engine.speculative import SpecPolicy, SpecStats, make_proposer
 from pdserve.engine.step_cost import StepCostModel
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp_worker import RankLauncher, TPWorkers
@@ -185,8 +185,11 @@ class LLMEngine:
         )
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
         target_ms = config.tpot_target_ms
-        # Measured only with a target: on CUDA the measurement may cost a sync (see step).
-        self.step_cost = StepCostModel() if target_ms is not None else None
+        spec = config.speculative_config
+        # Measured only with a target or adaptive speculation: on CUDA the measurement
+        # may cost a sync (see step).
+        measured = target_ms is not None or (spec is not None and spec.adaptive)
+        self.step_cost = StepCostModel() if measured else None
         self.scheduler = Scheduler(
             self.kv_manager,
             SchedulerLimits(
@@ -198,9 +201,12 @@ class LLMEngine:
                 min_prefill_chunk=config.block_size,
             ),
             self.step_cost,
-            proposer=None
-            if config.speculative_config is None
-            else make_proposer(config.speculative_config),
+            proposer=None if spec is None else make_proposer(spec),
+            spec_policy=(
+                SpecPolicy(self.step_cost)
+                if spec is not None and spec.adaptive and self.step_cost is not None
+                else None
+            ),
         )
         self.clock = time.perf_counter  # step wall times (tests inject a fake)
         self.runner = ModelRunner(

@@ -16,9 +16,10 @@ A step without decode rows keeps the whole token budget: no stream waits on it.
 
 With a proposer (speculative decoding, `engine/speculative.py`), the token budget left
 once every running sequence has its decode token or prefill chunk goes to proposals
-before waiting requests are admitted: a decoding sequence with `m` proposed tokens
-becomes a *verify* row of `m + 1` query tokens (its last token, then the proposals), for
-which KV slots are reserved like any chunk. Speculation never preempts: a proposal that
+before waiting requests are admitted: a decoding sequence with `m` proposed tokens (as
+many as the adaptive `SpecPolicy` finds worth their cost, when it is on) becomes a
+*verify* row of `m + 1` query tokens (its last token, then the proposals), for which
+KV slots are reserved like any chunk. Speculation never preempts: a proposal that
 does not fit the free blocks is dropped. After the step, `update` keeps the accepted
 tokens only: the sequence's computed tokens end at the accepted length (the KV written
 for rejected proposals lies beyond it, never read, and is overwritten by the next step),
@@ -38,7 +39,7 @@ from typing import Protocol
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
-from pdserve.engine.speculative import Proposer, SpecStats
+from pdserve.engine.speculative import Proposer, SpecPolicy, SpecStats
 from pdserve.engine.step_cost import StepShape, chunk_attention
 
 # Called after each token `update` appends (and its token-level stop check), with the
@@ -170,11 +171,13 @@ class Scheduler:
         limits: SchedulerLimits,
         cost_model: StepCostPredictor | None = None,
         proposer: Proposer | None = None,
+        spec_policy: SpecPolicy | None = None,
     ) -> None:
         self.kv = kv
         self.limits = limits
         self.cost_model = cost_model
         self.proposer = proposer  # speculative decoding; None: off
+        self.spec_policy = spec_policy  # how much of a proposal to verify; None: all
         self.stats = SchedulerStats()
         self.spec_stats = SpecStats()
         self.waiting: deque[Sequence] = deque()
@@ -250,9 +253,12 @@ class Scheduler:
     def _speculate(self, out: SchedulerOutput, budget: int, cap: _PrefillCap | None) -> int:
         """Turn decode rows into verify rows where the proposer has tokens and budget and
         free blocks last (never preempting for them); return the budget left."""
-        proposer = self.proposer
+        proposer, policy, stats = self.proposer, self.spec_policy, self.spec_stats
         assert proposer is not None
         k, max_len = proposer.num_speculative_tokens, self.limits.max_model_len
+        if policy is not None:
+            rows = sum(s.samples for s in (*out.prefills, *out.decodes))
+            policy.begin_step(out.shape().features(), rows)
         decodes: list[ScheduledSeq] = []
         for item in out.decodes:
             seq = item.seq
@@ -265,6 +271,12 @@ class Scheduler:
                 max_len - seq.num_tokens - 1,
             )
             proposal = proposer.propose(seq, room) if item.samples and room > 0 else []
+            if proposal and policy is not None:
+                worth = policy.length(seq, item.start, len(proposal))
+                if worth == 0:
+                    policy.withhold(seq, proposal[0])
+                stats.withheld_tokens += len(proposal) - worth
+                proposal = proposal[:worth]
             if not proposal or not self.kv.allocate_slots(seq, 1 + len(proposal)):
                 decodes.append(item)
                 continue
@@ -277,7 +289,6 @@ class Scheduler:
                 cap.room -= m
         out.decodes = decodes
         if out.verifies:
-            stats = self.spec_stats
             stats.verify_steps += 1
             stats.verify_rows += len(out.verifies)
             stats.proposed_tokens += sum(len(v.spec_token_ids) for v in out.verifies)
@@ -355,9 +366,13 @@ class Scheduler:
             if tokens is None:
                 continue
             tokens = [tokens] if isinstance(tokens, int) else tokens
-            appended = self._append(seq, tokens, on_token)
             if item.spec_token_ids:
+                appended = self._append(seq, tokens, on_token)
                 self._roll_back(seq, item, len(tokens), appended)
+            else:
+                if self.spec_policy is not None:
+                    self.spec_policy.shadow(seq, tokens[0])
+                self._append(seq, tokens, on_token)
             if seq.is_finished:
                 finished.append(seq)
         return finished
@@ -382,6 +397,8 @@ class Scheduler:
         stats = self.spec_stats
         stats.accepted_tokens += emitted - 1
         stats.emitted_tokens += appended
+        if self.spec_policy is not None:
+            self.spec_policy.observe(seq, len(item.spec_token_ids), emitted - 1)
         seq.num_computed_tokens = item.start + appended
         if seq.blocks:  # not freed by finishing
             self.kv.trim(seq)

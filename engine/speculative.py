@@ -30,7 +30,10 @@ MAX_PROPOSAL_LEN = 8
 MAX_NGRAM = 16
 DEFAULT_PROPOSAL_LEN = 4
 DEFAULT_NGRAM = 3
-_FORMS = "'ngram', 'ngram:k=K' or 'ngram:k=K,n=N'"
+_FORMS = "'ngram', 'ngram:k=K' or 'ngram:k=K,n=N[,adaptive=on|off]'"
+
+
+_SWITCH = {"on": True, "1": True, "true": True, "off": False, "0": False, "false": False}
 
 
 @dataclass(frozen=True)
@@ -39,15 +42,20 @@ class SpeculativeConfig:
 
     `num_speculative_tokens` (k): the most tokens proposed for one sequence in one step.
     `max_ngram` (n): the longest suffix the proposer matches (it tries n, n-1, ..., 1).
+    `adaptive`: verify only as many of a proposal's tokens as pay for themselves, from
+    each sequence's acceptance so far and the engine's measured step costs
+    (`SpecPolicy`); off: verify every proposed token.
     """
 
     method: str
     num_speculative_tokens: int = DEFAULT_PROPOSAL_LEN
     max_ngram: int = DEFAULT_NGRAM
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> SpeculativeConfig:
-        """`"ngram"`, `"ngram:k=4"`, `"ngram:k=4,n=3"` (k in 1..8, n in 1..16).
+        """`"ngram"`, `"ngram:k=4"`, `"ngram:k=4,n=3"`, `"ngram:k=4,adaptive=off"` (k in
+        1..8, n in 1..16, adaptive on or off, by default k=4, n=3, adaptive on).
 
         `"draft:PATH,k=4"` (a small draft model proposing) is refused: not implemented
         yet. Raises ValueError naming what is wrong.
@@ -62,14 +70,23 @@ class SpeculativeConfig:
         if method != "ngram":
             raise ValueError(f"speculative={spec!r}: unknown method {method!r}; use {_FORMS}")
         values: dict[str, int] = {}
+        adaptive: bool | None = None
         for part in rest.split(",") if rest.strip() else []:
             key, eq, raw = (s.strip() for s in part.partition("="))
-            if key not in ("k", "n") or not eq:
+            if key not in ("k", "n", "adaptive") or not eq:
                 raise ValueError(
-                    f"speculative={spec!r}: expected k=K or n=N, got {part.strip()!r}; use {_FORMS}"
+                    f"speculative={spec!r}: expected k=K, n=N or adaptive=on|off, got"
+                    f" {part.strip()!r}; use {_FORMS}"
                 )
-            if key in values:
+            if key in values or (key == "adaptive" and adaptive is not None):
                 raise ValueError(f"speculative={spec!r}: {key} is given twice")
+            if key == "adaptive":
+                if raw.lower() not in _SWITCH:
+                    raise ValueError(
+                        f"speculative={spec!r}: adaptive must be on or off, got {raw!r}"
+                    )
+                adaptive = _SWITCH[raw.lower()]
+                continue
             try:
                 values[key] = int(raw)
             except ValueError:
@@ -88,7 +105,7 @@ class SpeculativeConfig:
                 f"speculative={spec!r}: n (longest n-gram matched) must be in 1..{MAX_NGRAM},"
                 f" got {n}"
             )
-        return cls(method, k, n)
+        return cls(method, k, n, True if adaptive is None else adaptive)
 
 
 class Proposer(Protocol):
@@ -201,6 +218,117 @@ def accept(targets: list[int], proposals: list[int]) -> list[int]:
     return list(targets)
 
 
+class CostCoefficients(Protocol):
+    """What `SpecPolicy` needs of the engine's step cost model (`step_cost.StepCostModel`):
+    seconds per unit of each `StepShape.features()` entry, fitted at least on steps
+    without prefill (which decode rows cost), or None before a fit."""
+
+    @property
+    def decode_coefficients(self) -> tuple[float, ...] | None: ...
+
+
+class _Acceptance:
+    """One sequence's recent proposal outcomes, decayed (see `SpecPolicy`)."""
+
+    __slots__ = ("accepted", "pending", "rejected")
+
+    def __init__(self) -> None:
+        self.accepted = 0.0
+        self.rejected = 0.0
+        self.pending: int | None = None  # a withheld proposal's first token
+
+
+class SpecPolicy:
+    """How many of a proposal's tokens are worth verifying this step.
+
+    A verify row's i-th proposal is accepted with about probability alpha^i (alpha: the
+    sequence's recent acceptance, each token accepted or not after the ones before it),
+    so m proposals add E(m) = alpha + ... + alpha^m tokens; they make the whole step
+    longer by dT(m), the cost of m more decode rows (a verify row runs as decode rows,
+    model_runner.py) of contexts start + 2..start + m + 1 in the engine's step cost
+    model, fitted online to its measured steps (`step_cost.StepCostModel`). The step
+    makes B tokens (its rows that sample) in T seconds, so dT(m) is worth B/T * dT(m)
+    tokens elsewhere: m maximises E(m) - B/T * dT(m), and is 0 (a plain decode) when
+    nothing is positive. On a
+    memory-bound GPU dT is small and proposals are verified; on a CPU, or a batch large
+    enough to make the step compute-bound, only sequences that accept most of theirs.
+    Before the cost model has a fit, every proposed token is verified.
+
+    alpha counts accepted and rejected proposal tokens with a decay per verify row (and
+    a prior of one each), so it follows a sequence that starts or stops repeating
+    itself. A proposal withheld entirely still teaches it: its first token is compared
+    with the token the sequence then gets (`shadow`), so a sequence whose proposals
+    start to match gets verify rows again.
+    """
+
+    DECAY = 0.75
+    PRIOR = 1.0  # pseudo-counts of accepted and of rejected tokens
+
+    def __init__(self, cost: CostCoefficients) -> None:
+        self.cost = cost
+        self._coef: tuple[float, ...] | None = None
+        self._rate = 0.0  # tokens per second of the step as scheduled so far
+        self._seqs: weakref.WeakKeyDictionary[Sequence, _Acceptance] = weakref.WeakKeyDictionary()
+
+    def begin_step(self, features: tuple[float, ...], sampling_rows: int) -> None:
+        """Before this step's proposals: `features` of the step as scheduled without them
+        (`StepShape.features()`), `sampling_rows` the rows that make a token."""
+        coef = self.cost.decode_coefficients
+        seconds = None if coef is None else sum(c * x for c, x in zip(coef, features, strict=True))
+        if coef is None or seconds is None or seconds <= 0:
+            self._coef = None
+            return
+        self._coef = coef
+        self._rate = max(sampling_rows, 1) / seconds
+
+    def alpha(self, seq: Sequence) -> float:
+        state = self._seqs.get(seq)
+        if state is None:
+            return 0.5
+        return (state.accepted + self.PRIOR) / (state.accepted + state.rejected + 2 * self.PRIOR)
+
+    def length(self, seq: Sequence, start: int, proposed: int) -> int:
+        """How many of `proposed` (>= 1) tokens to verify for `seq`, whose decode row
+        starts at position `start`: 0 to decode it plainly."""
+        if self._coef is None:
+            return proposed
+        per_row, per_context = self._coef[1:3]
+        alpha = self.alpha(seq)
+        best, best_gain, expected, p, extra = 0, 0.0, 0.0, 1.0, 0.0
+        for m in range(1, proposed + 1):
+            p *= alpha
+            expected += p
+            # the m-th proposal runs as one more decode row, of context start + m + 1
+            extra += per_row + per_context * (start + m + 1)
+            gain = expected - self._rate * extra
+            if gain > best_gain:
+                best, best_gain = m, gain
+        return best
+
+    def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """A verify row's outcome: `accepted` of `proposed` tokens."""
+        state = self._state(seq)
+        state.accepted = self.DECAY * state.accepted + accepted
+        state.rejected = self.DECAY * state.rejected + (accepted < proposed)
+        state.pending = None
+
+    def withhold(self, seq: Sequence, first_token: int) -> None:
+        """A proposal was not verified; remember its first token for `shadow`."""
+        self._state(seq).pending = first_token
+
+    def shadow(self, seq: Sequence, token_id: int) -> None:
+        """The token `seq` got in a step whose proposal was withheld."""
+        state = self._seqs.get(seq)
+        if state is not None and state.pending is not None:
+            self.observe(seq, 1, int(state.pending == token_id))
+
+    def _state(self, seq: Sequence) -> _Acceptance:
+        state = self._seqs.get(seq)
+        if state is None:
+            state = self._seqs[seq] = _Acceptance()
+        return state
+
+
 @dataclass
 class SpecStats:
     """Speculative decoding counters since start (`LLMEngine.load`'s spec_* gauges)."""
@@ -210,6 +338,7 @@ class SpecStats:
     emitted_tokens: int = 0  # tokens verify rows added to their sequences (stops cut them)
     verify_rows: int = 0  # sequence-steps run as verify rows
     verify_steps: int = 0  # steps with at least one verify row
+    withheld_tokens: int = 0  # proposed tokens the adaptive policy did not verify
 
     def gauges(self) -> dict[str, int]:
         return {
@@ -218,6 +347,7 @@ class SpecStats:
             "spec_emitted_tokens": self.emitted_tokens,
             "spec_verify_rows": self.verify_rows,
             "spec_verify_steps": self.verify_steps,
+            "spec_withheld_tokens": self.withheld_tokens,
         }
 
     @property

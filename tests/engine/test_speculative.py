@@ -28,7 +28,13 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative import NgramProposer, SpeculativeConfig, accept, propose_from
+from pdserve.engine.speculative import (
+    NgramProposer,
+    SpecPolicy,
+    SpeculativeConfig,
+    accept,
+    propose_from,
+)
 
 MAX_TOKENS = 32
 NS = hash_namespace("test-model")
@@ -43,7 +49,11 @@ NS = hash_namespace("test-model")
 )
 def test_speculative_config_parses(spec: str, k: int, n: int) -> None:
     config = EngineConfig(speculative=spec).speculative_config
-    assert config == SpeculativeConfig("ngram", k, n)
+    assert config == SpeculativeConfig("ngram", k, n, adaptive=True)
+    assert EngineConfig().speculative_config is None
+    off = EngineConfig(speculative="ngram:k=2,adaptive=off").speculative_config
+    assert off == SpeculativeConfig("ngram", 2, 3, adaptive=False)
+    assert SpeculativeConfig.parse("ngram:adaptive=ON").adaptive
 
 
 @pytest.mark.parametrize(
@@ -53,8 +63,10 @@ def test_speculative_config_parses(spec: str, k: int, n: int) -> None:
         ("ngram:k=9", "must be in 1..8, got 9"),
         ("ngram:n=0", r"n \(longest n-gram matched\) must be in 1\.\.16, got 0"),
         ("ngram:k=four", "k must be an integer, got 'four'"),
-        ("ngram:m=2", "expected k=K or n=N, got 'm=2'"),
-        ("ngram:k", "expected k=K or n=N, got 'k'"),
+        ("ngram:m=2", "expected k=K, n=N or adaptive=on|off, got 'm=2'"),
+        ("ngram:k", "expected k=K, n=N or adaptive=on|off, got 'k'"),
+        ("ngram:adaptive=maybe", "adaptive must be on or off, got 'maybe'"),
+        ("ngram:adaptive=on,adaptive=off", "adaptive is given twice"),
         ("ngram:k=2,k=3", "k is given twice"),
         ("medusa:k=2", "unknown method 'medusa'"),
         ("draft:/models/tiny,k=4", "draft-model proposals are not implemented yet"),
@@ -175,6 +187,7 @@ def test_verify_rows_take_spare_budget_and_reserve_slots() -> None:
         "spec_emitted_tokens": 2,
         "spec_verify_rows": 1,
         "spec_verify_steps": 1,
+        "spec_withheld_tokens": 0,
     }
 
 
@@ -236,6 +249,57 @@ def test_a_stop_inside_the_accepted_tokens_drops_the_rest() -> None:
     pool.check_no_leaks()
 
 
+# -- the adaptive policy ---------------------------------------------------------------
+
+
+class FakeCost:
+    """A step cost model's coefficients: (step, decode row, decode context, prefill token,
+    prefill query-key pair) seconds."""
+
+    def __init__(self, coefficients: tuple[float, ...] | None) -> None:
+        self.decode_coefficients = coefficients
+
+
+def _policy_seq() -> Sequence:
+    return Sequence("p", [1, 2, 3], SamplingParams(), frozenset(), NS)
+
+
+def test_policy_verifies_what_pays_for_itself() -> None:
+    seq = _policy_seq()
+    # 8 decode rows of 100 tokens of context; a step costs 8 ms plus `d` per row, and a
+    # chunk's token costs what a decode row does.
+    decode_step = (1.0, 8.0, 800.0, 0.0, 0.0)
+
+    def policy(d: float) -> SpecPolicy:
+        made = SpecPolicy(FakeCost((8e-3, d, 0.0, d, 0.0)))
+        made.begin_step(decode_step, 8)
+        return made
+
+    assert SpecPolicy(FakeCost(None)).length(seq, 100, 4) == 4  # no fit yet: all
+    assert policy(1e-5).alpha(seq) == 0.5
+    assert policy(1e-5).length(seq, 100, 4) == 4  # a proposal costs 0.01 token
+    assert policy(2e-3).length(seq, 100, 4) == 0  # 0.67 token: never worth it at 0.5
+    assert policy(2.5e-4).length(seq, 100, 4) == 2  # 0.2 token: alpha^i >= 0.2 for i <= 2
+
+
+def test_policy_follows_each_sequences_acceptance() -> None:
+    seq, other = _policy_seq(), _policy_seq()
+    policy = SpecPolicy(FakeCost((8e-3, 2.5e-4, 0.0, 2.5e-4, 0.0)))
+    policy.begin_step((1.0, 8.0, 800.0, 0.0, 0.0), 8)  # a proposal costs 0.2 token
+    for _ in range(8):
+        policy.observe(seq, 4, 0)  # rejected at once, again and again
+    assert policy.alpha(seq) < 0.2 and policy.length(seq, 100, 4) == 0
+    assert policy.length(other, 100, 4) == 2  # the other sequence keeps its own
+    for _ in range(4):  # withheld proposals whose first token turns out right
+        policy.withhold(seq, 42)
+        policy.shadow(seq, 42)
+    assert policy.alpha(seq) > 0.6 and policy.length(seq, 100, 4) >= 3
+    policy.withhold(seq, 42)
+    policy.shadow(seq, 7)  # and one that was wrong
+    policy.shadow(seq, 7)  # nothing pending any more: no second observation
+    assert 0.5 < policy.alpha(seq) < 0.6
+
+
 # -- the engine: greedy tokens ----------------------------------------------------------
 
 
@@ -290,7 +354,7 @@ def test_greedy_tokens_equal_transformers(
     checkpoint: tuple[Path, list[list[int]]], k: int, mode: str
 ) -> None:
     model_dir, expected = checkpoint
-    llm = LLM(model_dir, dtype="float32", speculative=f"ngram:k={k}", **MODES[mode])
+    llm = LLM(model_dir, dtype="float32", speculative=f"ngram:k={k},adaptive=off", **MODES[mode])
     outs = llm.generate(make_prompts(), GREEDY)
     for i, (out, ref) in enumerate(zip(outs, expected, strict=True)):
         assert out.token_ids == ref, f"prompt {i} diverged with k={k} in mode {mode}"
@@ -319,7 +383,9 @@ def test_greedy_tokens_equal_through_each_cpu_backend(
     checkpoint: tuple[Path, list[list[int]]], backend: str
 ) -> None:
     model_dir, expected = checkpoint
-    llm = LLM(model_dir, dtype="float32", attention_backend=backend, speculative="ngram:k=3")
+    llm = LLM(
+        model_dir, dtype="float32", attention_backend=backend, speculative="ngram:k=3,adaptive=off"
+    )
     assert llm.engine.runner.backend.name == backend
     outs = llm.generate(make_prompts(), GREEDY)
     assert [o.token_ids for o in outs] == expected
@@ -335,7 +401,7 @@ def test_preemption_mid_speculation(checkpoint: tuple[Path, list[list[int]]]) ->
         num_kv_blocks=40,
         block_size=4,
         max_model_len=128,
-        speculative="ngram:k=4",
+        speculative="ngram:k=4,adaptive=off",
     )
     outs = llm.generate(make_prompts(), GREEDY)
     assert [o.token_ids for o in outs] == expected
@@ -363,7 +429,7 @@ def test_mixed_step_of_verify_rows_decodes_and_a_prefill(
 ) -> None:
     """Some sequences propose, some do not, and a prompt prefills in the same steps."""
     model_dir, expected = checkpoint
-    llm = LLM(model_dir, dtype="float32", block_size=4, speculative="ngram:k=4")
+    llm = LLM(model_dir, dtype="float32", block_size=4, speculative="ngram:k=4,adaptive=off")
     engine = llm.engine
     proposer = engine.scheduler.proposer
     assert isinstance(proposer, NgramProposer)
@@ -399,7 +465,9 @@ def test_triton_backend_verify_rows(make_checkpoint: Any) -> None:
     prompts = [[5, 6, 7, 8] * 3, [9, 10, 11]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     want = LLM(model_dir, dtype="float32", attention_backend="torch").generate(prompts, params)
-    llm = LLM(model_dir, dtype="float32", attention_backend="triton", speculative="ngram:k=3")
+    llm = LLM(
+        model_dir, dtype="float32", attention_backend="triton", speculative="ngram:k=3,adaptive=off"
+    )
     assert llm.engine.runner.backend.name == "triton"
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -419,7 +487,7 @@ def test_cuda_graph_runner_takes_verify_rows(make_checkpoint: Any) -> None:
         dtype="float32",
         attention_backend="triton",
         enforce_eager=True,
-        speculative="ngram:k=3",
+        speculative="ngram:k=3,adaptive=off",
     )
     runner = llm.engine.runner
     runner.capture_cuda_graphs(8, llm.engine.max_model_len, use_cuda_graph=False)
@@ -453,12 +521,36 @@ def test_tensor_parallel_verify_rows(checkpoint: tuple[Path, list[list[int]]]) -
         num_kv_blocks=128,
         block_size=4,
         tensor_parallel_size=2,
-        speculative="ngram:k=3",
+        speculative="ngram:k=3,adaptive=off",
     ) as llm:
         outs = llm.generate(make_prompts(), GREEDY)
         assert [o.token_ids for o in outs] == expected
         assert llm.engine.spec_stats().accepted_tokens > 0
         check_pool(llm.engine, outs)
+
+
+@pytest.mark.parametrize("cost", ["measured", "cheap", "costly"])
+def test_adaptive_speculation_keeps_the_tokens(
+    checkpoint: tuple[Path, list[list[int]]], cost: str
+) -> None:
+    """The default adaptive policy only shortens proposals: the tokens stay exact, with
+    the engine's own measured costs, with cheap proposals (all verified) and with costly
+    ones (all withheld)."""
+    model_dir, expected = checkpoint
+    llm = LLM(model_dir, dtype="float32", speculative="ngram:k=4")
+    policy = llm.engine.scheduler.spec_policy
+    assert policy is not None and policy.cost is llm.engine.step_cost
+    if cost != "measured":
+        per_row = 1e-7 if cost == "cheap" else 1.0  # seconds per decode row (and token)
+        policy.cost = FakeCost((1e-3, per_row, 0.0, per_row, 0.0))
+    outs = llm.generate(make_prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    stats = llm.engine.spec_stats()
+    if cost == "cheap":
+        assert stats.withheld_tokens == 0 and stats.accepted_tokens > 0
+    if cost == "costly":
+        assert stats.verify_rows == 0 and stats.withheld_tokens > 0
+    check_pool(llm.engine, outs)
 
 
 # -- stops, lengths, logprobs, streaming -----------------------------------------------
@@ -476,7 +568,7 @@ def test_streaming_carries_several_tokens_per_step(
     checkpoint: tuple[Path, list[list[int]]],
 ) -> None:
     model_dir, expected = checkpoint
-    llm = LLM(model_dir, dtype="float32", speculative="ngram:k=4")
+    llm = LLM(model_dir, dtype="float32", speculative="ngram:k=4,adaptive=off")
     outs = _streamed(llm.engine, make_prompts()[0], GREEDY)
     final = outs[-1]
     assert final.finished and final.token_ids == expected[0]
@@ -495,7 +587,7 @@ def test_stop_string_inside_an_accepted_run(checkpoint: tuple[Path, list[list[in
     """A stop string that completes in the middle of a step's tokens ends the request
     there, exactly as without speculation (same tokens, text and reason)."""
     model_dir, _ = checkpoint
-    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=5")
+    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=5,adaptive=off")
     plain = LLM(model_dir, dtype="float32")
     tok = spec.tokenizer
     tried = 0
@@ -543,7 +635,7 @@ def test_stop_token_and_every_max_tokens(
     checkpoint: tuple[Path, list[list[int]]],
 ) -> None:
     model_dir, expected = checkpoint
-    llm = LLM(model_dir, dtype="float32", speculative="ngram:k=5")
+    llm = LLM(model_dir, dtype="float32", speculative="ngram:k=5,adaptive=off")
     steps = _multi_token_steps(llm.engine, make_prompts()[0])
     tokens = [t for step in steps for t in step]
     assert tokens == expected[0]
@@ -568,7 +660,9 @@ def test_context_limit_inside_an_accepted_run(checkpoint: tuple[Path, list[list[
     model_dir, expected = checkpoint
     prompt = make_prompts()[0]  # 36 tokens
     for max_len in (39, 45, 52):
-        llm = LLM(model_dir, dtype="float32", max_model_len=max_len, speculative="ngram:k=5")
+        llm = LLM(
+            model_dir, dtype="float32", max_model_len=max_len, speculative="ngram:k=5,adaptive=off"
+        )
         [out] = llm.generate([prompt], GREEDY)
         assert out.token_ids == expected[0][: max_len - len(prompt)]
         assert out.finish_reason == "length"
@@ -578,7 +672,7 @@ def test_context_limit_inside_an_accepted_run(checkpoint: tuple[Path, list[list[
 def test_logprobs_are_the_targets(checkpoint: tuple[Path, list[list[int]]]) -> None:
     model_dir, _ = checkpoint
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
-    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=4")
+    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=4,adaptive=off")
     plain = LLM(model_dir, dtype="float32")
     prompts = make_prompts()[:4]
     wanted = plain.generate(prompts, params)
@@ -612,7 +706,7 @@ def test_seeded_sampling_gives_the_tokens_of_decoding_without_speculation(
     prompts = make_prompts()[:4] * 3
     params = [SAMPLED[i % 3] for i in range(len(prompts))]
     plain = LLM(model_dir, dtype="float32").generate(prompts, params)
-    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=4")
+    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=4,adaptive=off")
     first = spec.generate(prompts, params)
     second = spec.generate(prompts, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in plain]
@@ -624,7 +718,7 @@ def test_seeded_sampling_gives_the_tokens_of_decoding_without_speculation(
 
 def test_unseeded_sampling_runs_and_accepts(checkpoint: tuple[Path, list[list[int]]]) -> None:
     model_dir, _ = checkpoint
-    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=4")
+    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=4,adaptive=off")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.3, ignore_eos=True)
     outs = spec.generate(make_prompts(), params)
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
@@ -716,7 +810,7 @@ def test_load_reports_spec_gauges_only_with_speculation(
     model_dir, _ = checkpoint
     plain = LLM(model_dir, dtype="float32")
     assert not any(key.startswith("spec_") for key in plain.engine.load())
-    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=2")
+    spec = LLM(model_dir, dtype="float32", speculative="ngram:k=2,adaptive=off")
     spec.generate(make_prompts()[:2], GREEDY)
     load = spec.engine.load()
     stats = spec.engine.spec_stats()
