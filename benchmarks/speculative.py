@@ -16,15 +16,21 @@ built in a temporary folder. Two workloads, each at every batch size:
   model that continues S as it did before writes T again, and prompt lookup proposes T's
   tokens from the prompt. How much of T the model really repeats is what the acceptance
   column measures.
-- random: random prompts of the same length; proposals find nothing or are rejected:
-  what speculation costs where it cannot help.
+- random: random prompts of the same length. A random model's greedy output often falls
+  into loops of its own, which prompt lookup then proposes: the acceptance column says
+  how much.
+- wrong: the random prompts again, every proposal made wrong (each proposed token + 1):
+  what speculation costs where it cannot help (the adaptive policy backs off; with
+  `adaptive=off` every wrong proposal is verified).
 
 Each workload runs greedily (eos ignored, `--output-len` tokens) on two engines of the same
 checkpoint, without and with `--spec`; only the decode phase is timed (from the first step
 after every request has its first token to the last), best of `--repeats` runs, the two
-engines alternating. Columns: decode tok/s without and with speculation and their ratio,
-the acceptance rate (accepted / proposed tokens), tokens emitted per verify row, and
-whether every request's tokens were the same (greedy speculation is exact: must be all).
+engines alternating. Columns: decode tok/s (wall) without and with speculation and their
+ratio, the same ratio in this process's CPU time (steadier where other processes share
+the cores), the tokens verified, the acceptance rate (accepted / verified), tokens
+emitted per verify row, decode steps, and whether every request's tokens were the same
+(greedy speculation is exact: must be all).
 
 On a CPU a verify row of k + 1 tokens costs more than a one-token decode step (the matrix
 products are not free there, as they nearly are on a memory-bound GPU), so the gain per
@@ -47,7 +53,8 @@ import torch
 from pdserve.benchmarks.engine_throughput import MODELS, build_checkpoint
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import write_random_model
-from pdserve.engine.speculative import SpecStats
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculative import Proposer, SpecStats
 
 _ids = itertools.count()
 
@@ -55,7 +62,8 @@ _ids = itertools.count()
 @dataclass(frozen=True)
 class Run:
     decode_tokens: int
-    decode_s: float
+    decode_s: float  # wall time
+    decode_cpu_s: float  # this process's CPU time over the same steps
     steps: int
     tokens: list[list[int]]
     stats: SpecStats  # this run's counters
@@ -63,6 +71,10 @@ class Run:
     @property
     def tok_s(self) -> float:
         return self.decode_tokens / self.decode_s
+
+    @property
+    def cpu_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_cpu_s
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,7 @@ class Row:
             f"{self.plain.tok_s:.1f}",
             f"{self.spec.tok_s:.1f}",
             f"{self.spec.tok_s / self.plain.tok_s:.2f}x",
+            f"{self.spec.cpu_tok_s / self.plain.cpu_tok_s:.2f}x",
             f"{s.proposed_tokens}",
             rate,
             per_row,
@@ -97,6 +110,7 @@ HEADERS = [
     "plain tok/s",
     "spec tok/s",
     "speedup",
+    "speedup (CPU time)",
     "proposed",
     "accepted",
     "tokens/verify row",
@@ -125,19 +139,34 @@ def decode_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> Run:
     while len(counts) < len(ids):  # prefill (and maybe some first decode tokens)
         step()
     at_start, steps = sum(counts.values()), 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished:
         step()
         steps += 1
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     after = engine.spec_stats()
     stats = SpecStats(
         *(getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after))
     )
-    return Run(sum(counts.values()) - at_start, elapsed, steps, [finals[r] for r in ids], stats)
+    tokens = [finals[r] for r in ids]
+    return Run(sum(counts.values()) - at_start, elapsed, cpu, steps, tokens, stats)
+
+
+class WrongProposer:
+    """Prompt lookup's proposals, each token + 1: never what the model picks (unless by
+    a coincidence of its own)."""
+
+    def __init__(self, inner: Proposer, vocab: int) -> None:
+        self.inner = inner
+        self.vocab = vocab
+        self.num_speculative_tokens = inner.num_speculative_tokens
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        return [(t + 1) % self.vocab for t in self.inner.propose(seq, max_tokens)]
 
 
 def best(runs: list[Run]) -> Run:
+    """The fastest run: other processes on a shared machine only ever slow one down."""
     return max(runs, key=lambda r: r.tok_s)
 
 
@@ -176,15 +205,24 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int) -> list[Row]:
     rows = []
     for batch in args.batches:
         rng = random.Random(batch)
+        random_prompts = [
+            [rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)
+        ]
         workloads = {
             "copy": copy_prompts(plain, rng, batch, args.seed_len, args.output_len, vocab),
-            "random": [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)],
+            "random": random_prompts,
+            "wrong": random_prompts,
         }
+        proposer = spec.engine.scheduler.proposer
+        assert proposer is not None
         for name, prompts in workloads.items():
+            wrong = WrongProposer(proposer, vocab) if name == "wrong" else proposer
+            spec.engine.scheduler.proposer = wrong
             plain_runs, spec_runs = [], []
             for _ in range(args.repeats):
                 plain_runs.append(decode_run(plain, prompts, args.output_len))
                 spec_runs.append(decode_run(spec, prompts, args.output_len))
+            spec.engine.scheduler.proposer = proposer
             row = Row(name, batch, best(plain_runs), best(spec_runs))
             rows.append(row)
             print("  " + "  ".join(row.cells()), flush=True)

@@ -2,10 +2,13 @@
 
 Plain Python, no tensors. A decode step of a memory-bound model costs about the same for
 one query token as for a few, so a sequence that has a guess of its next `m` tokens is
-run as one row of `m + 1` query tokens (its last sampled token and the `m` proposed
-ones, attending to its own paged context like a chunked-prefill row): the target
-model's distributions at every position come from that one forward pass, and each
-proposed token the target agrees with is a token gained for free (`accept`).
+run as a *verify row* of `m + 1` query tokens (its last sampled token and the `m`
+proposed ones, attending to its own paged context like a chunked-prefill row; the runner
+lays it out as `m + 1` decode rows, model_runner.py): the target model's distributions
+at every position come from that one forward pass, and each proposed token the target
+agrees with is a token gained for free (`accept`). How many proposed tokens are worth
+verifying is `SpecPolicy`'s call; the scheduler reserves their KV slots and rolls back
+what is rejected (scheduler.py).
 
 The proposer here is *prompt lookup* (n-gram matching, Saxena 2023): the sequence's
 last `n` tokens are looked up in its own prompt and output so far, and the tokens that
@@ -31,8 +34,6 @@ MAX_NGRAM = 16
 DEFAULT_PROPOSAL_LEN = 4
 DEFAULT_NGRAM = 3
 _FORMS = "'ngram', 'ngram:k=K' or 'ngram:k=K,n=N[,adaptive=on|off]'"
-
-
 _SWITCH = {"on": True, "1": True, "true": True, "off": False, "0": False, "false": False}
 
 
@@ -142,7 +143,9 @@ class _Occurrences:
 
 class NgramProposer:
     """Prompt lookup: for j = n, n-1, ..., 1, the most recent earlier occurrence of the
-    sequence's last j tokens (in prompt + output); the tokens after it are proposed.
+    sequence's last j tokens (in prompt + output); the tokens after it are proposed, and
+    where they run into the sequence's end (a tail that repeats), the copy goes on from
+    its own start.
 
     Each sequence keeps an index of where each token occurs (dropped with the sequence),
     so a step costs O(new tokens) to index plus a walk over the earlier occurrences of

@@ -19,10 +19,12 @@ def test_speculative_benchmark_runs_on_the_tiny_model() -> None:
     assert [(r[0], r[1]) for r in cells] == [
         ("copy", "1"),
         ("random", "1"),
+        ("wrong", "1"),
         ("copy", "2"),
         ("random", "2"),
+        ("wrong", "2"),
     ]
     for row in cells:
-        same, total = row[9].split("/")
+        same, total = row[10].split("/")
         assert same == total, row  # greedy speculation is exact
-    assert all(int(r[5]) > 0 for r in cells if r[0] == "copy"), cells  # proposals verified
+    assert all(int(r[6]) > 0 for r in cells if r[0] == "copy"), cells  # proposals verified
