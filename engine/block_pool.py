@@ -151,13 +151,16 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def free(self, blocks: Iterable[KVBlock]) -> None:
+    def free(self, blocks: Iterable[KVBlock], front: bool = False) -> None:
         """Drops one reference on each block.
 
         Args:
             blocks: Blocks to release. Blocks reaching ref_count 0 are appended to the
                 tail of the free queue in this order, so pass a sequence's blocks in
                 reverse to have its tail blocks evicted first. Cached blocks stay cached.
+            front: Put them at the head of the free queue instead (each before the
+                previous one): the next to be allocated. For blocks that hold nothing
+                worth caching, so that reusing them evicts no cached block.
 
         Raises:
             ValueError: A block would drop below ref_count 0 (a double free); nothing
@@ -175,6 +178,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free_queue[block.block_id] = block
+                if front:
+                    self._free_queue.move_to_end(block.block_id, last=False)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Registers a full block under its chained hash so later requests can reuse it.

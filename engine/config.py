@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdserve.engine.speculative import SpeculativeConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton"]
@@ -98,6 +100,17 @@ class EngineConfig(BaseModel):
         " larger ones run eagerly.",
     )
     seed: int = 0
+    speculative: str | None = Field(
+        default=None,
+        description='Speculative decoding (engine/speculative.py): "ngram:k=K[,n=N]" proposes'
+        " up to K tokens (1..8) per decoding sequence by prompt lookup (its last N tokens,"
+        " N..1, matched in its own prompt and output; N in 1..16, default 3) and verifies"
+        " them in one forward pass: greedy tokens are exactly those without it, sampled"
+        " ones have exactly its distribution. With adaptive=on (the default) only the"
+        " proposed tokens worth their cost are verified (each sequence's acceptance so far"
+        ' against the measured step costs); adaptive=off verifies all. "ngram" alone: K=4,'
+        ' N=3. A draft model ("draft:PATH,k=K") is not implemented yet. None: off.',
+    )
     tensor_parallel_size: int = Field(
         default=1,
         ge=1,
@@ -119,6 +132,18 @@ class EngineConfig(BaseModel):
         " wait for the other ranks before it raises: a dead or stalled rank fails the"
         " engine, never hangs it.",
     )
+
+    @field_validator("speculative")
+    @classmethod
+    def _check_speculative(cls, value: str | None) -> str | None:
+        if value is not None:
+            SpeculativeConfig.parse(value)  # raises ValueError naming the problem
+        return value
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """`speculative` parsed; None when off."""
+        return None if self.speculative is None else SpeculativeConfig.parse(self.speculative)
 
     @model_validator(mode="after")
     def _check_block_size(self) -> EngineConfig:

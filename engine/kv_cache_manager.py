@@ -56,9 +56,23 @@ class KVCacheManager:
         self._cache_full_blocks(seq, num_tokens + num_new_tokens)
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past `seq`'s tokens: after a verify row (speculative
+        decoding) they held only rejected proposals' slots. They are never registered
+        (only blocks full of the sequence's tokens are) and go to the head of the free
+        queue, the next to be allocated, ahead of blocks still cached."""
+        keep = cdiv(seq.num_tokens, self.block_size)
+        extra = seq.blocks[keep:]
+        if extra:
+            assert all(b.block_hash is None for b in extra)
+            del seq.blocks[keep:]
+            self.pool.free(reversed(extra), front=True)
+
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         if not self.pool.enable_caching:
             return
+        # Only blocks full of the sequence's own tokens: a verify row's slots past them
+        # (proposals, maybe rejected) never make a block count as full here.
         num_full = min(num_tokens, seq.num_tokens) // self.block_size
         if num_full <= seq.num_registered_blocks:
             return

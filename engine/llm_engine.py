@@ -41,6 +41,7 @@ from pdserve.engine.memory_profile import (
     check_share_is_free,
     measure_step_peak,
     profile_batches,
+    profile_verify_rows,
 )
 from pdserve.engine.model import LlamaModel, load_model
 from pdserve.engine.model_config import ModelConfig, load_model_config
@@ -58,6 +59,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, TokenLogprobs
+from pdserve.engine.speculative import SpecPolicy, SpecStats, make_proposer
 from pdserve.engine.step_cost import StepCostModel
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp_worker import RankLauncher, TPWorkers
@@ -184,8 +186,11 @@ class LLMEngine:
         )
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
         target_ms = config.tpot_target_ms
-        # Measured only with a target: on CUDA the measurement may cost a sync (see step).
-        self.step_cost = StepCostModel() if target_ms is not None else None
+        spec = config.speculative_config
+        # Measured only with a target or adaptive speculation: on CUDA the measurement
+        # may cost a sync (see step).
+        measured = target_ms is not None or (spec is not None and spec.adaptive)
+        self.step_cost = StepCostModel() if measured else None
         self.scheduler = Scheduler(
             self.kv_manager,
             SchedulerLimits(
@@ -197,6 +202,12 @@ class LLMEngine:
                 min_prefill_chunk=config.block_size,
             ),
             self.step_cost,
+            proposer=None if spec is None else make_proposer(spec),
+            spec_policy=(
+                SpecPolicy(self.step_cost)
+                if spec is not None and spec.adaptive and self.step_cost is not None
+                else None
+            ),
         )
         self.clock = time.perf_counter  # step wall times (tests inject a fake)
         self.runner = ModelRunner(
@@ -292,6 +303,9 @@ class LLMEngine:
         """(max_model_len, blocks) from the memory the loaded model leaves of the engine's
         share, measured over its largest step (engine/memory_profile.py)."""
         cfg, max_len = self.config, self.max_model_len
+        spec = cfg.speculative_config
+        k = 0 if spec is None else spec.num_speculative_tokens
+        rows = profile_verify_rows(cfg.max_num_seqs, cfg.max_num_batched_tokens, k, max_len)
         peak, scratch_bytes = measure_step_peak(
             self._profile_runner,
             reader,
@@ -299,6 +313,7 @@ class LLMEngine:
             cfg.block_size,
             max_len,
             self.model_config.vocab_size,
+            verify=(rows, k) if spec is not None else (0, 0),
         )
         end = reader.snapshot()  # the profile's tensors are gone: only the model remains
         self.memory_profile = profile = MemoryProfile(
@@ -553,7 +568,13 @@ class LLMEngine:
             # what the step-time target lets a step prefill beside the running decodes now
             "step_prefill_budget": sched.prefill_budget(),
             **self._parallel_gauges(),
+            **(sched.spec_stats.gauges() if sched.proposer is not None else {}),
         }
+
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding's counters since start (all 0 when it is off): tokens
+        proposed, accepted by the target, emitted by verify rows; verify rows and steps."""
+        return self.scheduler.spec_stats
 
     def _parallel_gauges(self) -> dict[str, int]:
         """Tensor parallel: the driver's all-reduce time per step (microseconds), the
@@ -584,10 +605,24 @@ class LLMEngine:
             result = self._execute_parallel(sched_out)
         if self.step_cost is not None and not result.sampled and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for request_id, logprobs in result.logprobs.items():
-            self._seqs[request_id].output_logprobs.append(logprobs)
-        finished = self.scheduler.update(sched_out, result.sampled)
-        outputs = self._outputs(sched_out, result.sampled, finished)
+        new: dict[str, tuple[list[int], list[str]]] = {}  # request id -> (tokens, texts)
+
+        def on_token(seq: Sequence, index: int, token_id: int) -> bool:
+            """Each appended token, in order: its logprobs, and the text so far checked
+            for stop strings exactly as if the token had been the step's only one."""
+            logprobs = result.logprobs.get(seq.request_id)
+            if logprobs:
+                seq.output_logprobs.append(logprobs[index])
+            tokens, texts = new.setdefault(seq.request_id, ([], []))
+            tokens.append(token_id)
+            tracker = self._trackers.get(seq.request_id)
+            if tracker is None:
+                return False
+            texts.append(tracker.add([token_id], seq.is_finished))
+            return tracker.stopped
+
+        finished = self.scheduler.update(sched_out, result.sampled, on_token)
+        outputs = self._outputs(sched_out, new, finished)
         if self.step_cost is not None:
             self.step_cost.observe(sched_out.shape(), self.clock() - start_s)
         return outputs
@@ -636,28 +671,39 @@ class LLMEngine:
             self.tp_workers.close()
 
     def _outputs(
-        self, sched_out: SchedulerOutput, sampled: dict[str, int], finished: list[Sequence]
+        self,
+        sched_out: SchedulerOutput,
+        new: dict[str, tuple[list[int], list[str]]],
+        finished: list[Sequence],
     ) -> list[RequestOutput]:
+        """An output per sequence that got tokens (`new`: its tokens and, when tracked,
+        their texts, from `step`)."""
         finished_ids = {s.request_id for s in finished}
         outputs = []
-        for item in (*sched_out.prefills, *sched_out.decodes):
+        for item in sched_out.scheduled:
             seq = item.seq
-            if seq.request_id not in sampled:
+            if seq.request_id not in new:
                 continue
-            new_ids = [sampled[seq.request_id]]
-            outputs.append(self._output(seq, new_ids, seq.request_id in finished_ids))
+            new_ids, texts = new[seq.request_id]
+            finished_now = seq.request_id in finished_ids
+            outputs.append(self._output(seq, new_ids, finished_now, "".join(texts)))
         return outputs
 
-    def _output(self, seq: Sequence, new_ids: list[int], finished: bool) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, new_ids: list[int], finished: bool, new_text: str | None = None
+    ) -> RequestOutput:
+        """`new_text`: the text of `new_ids`, when the caller already added them to the
+        sequence's tracker (`step`); None: added here."""
         tracker = self._trackers.get(seq.request_id)
         if tracker is None:  # no stream, no stop strings: decode once, at the end
             new_text = ""
             skip = seq.params.skip_special_tokens
             text = self.tokenizer.decode(seq.output_token_ids, skip) if finished else ""
         else:
-            new_text = tracker.add(new_ids, finished)
-            if tracker.stopped and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP)
+            if new_text is None:
+                new_text = tracker.add(new_ids, finished)
+                if tracker.stopped and not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
             text = tracker.text
         want_logprobs = seq.params.logprobs is not None
         out = make_output(seq, text, new_ids, new_text, want_logprobs)

@@ -12,7 +12,9 @@ Triton modules, ...) and the KV pool, which gets the rest. So the engine
    prefill of `max_num_batched_tokens` tokens (the longest attention), then that budget
    spread over `max_num_seqs` sequences that all sample (the most logits rows: sampling
    allocates [rows, vocab] float32 and more), through a `ModelRunner` over a scratch KV
-   cache just large enough, with the sampling options that allocate the most;
+   cache just large enough, with the sampling options that allocate the most; with
+   speculative decoding also a step of verify rows that all sample at every position
+   (`profile_verify_rows`: up to the whole budget of logits rows);
 3. reads torch's peak allocation over those steps (less the scratch cache, which the
    real pool replaces) and a second snapshot: the growth of memory outside torch since
    the first one is this engine's too;
@@ -38,7 +40,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerLimits
+from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 
 GIB = 1 << 30
@@ -180,6 +182,16 @@ def profile_batches(
     return [[longest], spread]
 
 
+def profile_verify_rows(
+    max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int, max_len: int
+) -> int:
+    """Verify rows (speculative decoding: 1 + k query tokens, all sampling) in the step
+    with the most logits rows that speculation can make: 0 when none fits."""
+    if num_speculative_tokens + 2 > max_len:
+        return 0
+    return min(max_num_seqs, max_num_batched_tokens // (num_speculative_tokens + 1))
+
+
 def measure_step_peak(
     make_runner: Callable[[int], ModelRunner],
     reader: MemoryReader,
@@ -187,19 +199,41 @@ def measure_step_peak(
     block_size: int,
     max_len: int,
     vocab_size: int,
+    verify: tuple[int, int] = (0, 0),
 ) -> tuple[int, int]:
-    """Run each batch of prompts as one step; return (torch's peak allocation over the
-    steps, the bytes of the scratch KV cache counted in it).
+    """Run each batch of prompts as one step, then (`verify`: rows, proposals per row)
+    one step of verify rows; return (torch's peak allocation over the steps, the bytes
+    of the scratch KV cache counted in it).
 
     `make_runner(num_blocks)` builds a runner over a fresh KV cache of that many blocks.
     """
+    num_rows, k = verify
     num_blocks = max(sum(cdiv(n, block_size) for n in lengths) for lengths in batches)
+    num_blocks = max(num_blocks, num_rows * cdiv(k + 1, block_size))
     reader.reset_peak()
     runner = make_runner(num_blocks)
     scratch_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
     for lengths in batches:
         _run_step(runner, num_blocks, lengths, block_size, max_len, vocab_size)
+    if num_rows:
+        _run_verify_step(runner, num_blocks, num_rows, k, block_size, vocab_size)
     return reader.peak_allocated(), scratch_bytes
+
+
+def _run_verify_step(
+    runner: ModelRunner, num_blocks: int, num_rows: int, k: int, block_size: int, vocab_size: int
+) -> None:
+    """One step of `num_rows` verify rows of 1 + k tokens (a one-token sequence and k
+    proposals each), every position sampled."""
+    kv = KVCacheManager(BlockPool(num_blocks, enable_caching=False), block_size)
+    out = SchedulerOutput()
+    for i in range(num_rows):
+        seq = Sequence(f"profile-spec-{i}", [i % vocab_size], _PROFILE_PARAMS, frozenset(), b"")
+        if not kv.allocate_slots(seq, 1 + k):
+            raise RuntimeError(f"the profile's verify step has no blocks for row {i}")
+        proposals = tuple((i + j + 1) % vocab_size for j in range(k))
+        out.verifies.append(ScheduledSeq(seq, 1 + k, 0, proposals))
+    runner.execute(out)
 
 
 def _run_step(

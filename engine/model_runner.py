@@ -3,6 +3,13 @@
 The only engine module besides the model that touches tensors. One step = one forward
 over every scheduled token (prefill chunks first, then decode tokens) and one sampling
 call for the sequences whose step completes their tokens.
+
+A verify row (speculative decoding: a sequence's last token and `m` proposed tokens)
+attends to the sequence's paged KV and causally within itself, like a prefill chunk with
+context; it rides in the batch as `m + 1` decode rows, position j over the context up to
+itself, since every new token's KV is written into the slots the scheduler reserved
+before any row attends: the same attention, on the backends' decode kernels. All its
+positions sample, and `speculative.accept` keeps the tokens to emit.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from pdserve.engine.model import LlamaModel
 from pdserve.engine.ops import ops_for
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.engine.sequence import Sequence, TokenLogprobs
+from pdserve.engine.speculative import accept
 
 if TYPE_CHECKING:
     from pdserve.engine.tp_worker import TPWorkers
@@ -33,8 +41,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StepResult:
-    sampled: dict[str, int]  # request id -> sampled token
-    logprobs: dict[str, TokenLogprobs]
+    # request id -> the tokens to append: one, or a verify row's accepted proposals and
+    # the target's next token
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]  # one per token of `sampled`, when wanted
 
 
 def allocate_kv_cache(
@@ -101,10 +111,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         graphs = self.graphs
-        if graphs is not None and not out.prefills and out.decodes:
-            max_context_len = max(item.start + 1 for item in out.decodes)
-            if graphs.fits(len(out.decodes), max_context_len):
-                return self._execute_graph(graphs, out)
+        if graphs is not None and not out.prefills and (out.decodes or out.verifies):
+            layout = _decode_layout(out)
+            if graphs.fits(len(layout.rows), layout.rows[-1][0]):
+                return self._execute_graph(graphs, layout)
         input_ids, positions, meta, sample_rows, sample_items = self._prepare(out)
         if self.tp_workers is not None:
             self.tp_workers.send_step(input_ids, positions, meta, sample_rows)
@@ -131,41 +141,36 @@ class ModelRunner:
         if sample_rows.numel():
             self.model.logits(hidden.index_select(0, sample_rows))
 
-    def _execute_graph(self, graphs: CudaGraphRunner, out: SchedulerOutput) -> StepResult:
-        """A decode-only step through the graph runner's padded static buffers."""
+    def _execute_graph(self, graphs: CudaGraphRunner, layout: _DecodeLayout) -> StepResult:
+        """A step of decode rows only (verify rows' included) through the graph runner's
+        padded static buffers."""
         bs = self.block_size
-        decodes = sorted(out.decodes, key=lambda item: item.start)  # as `_prepare` orders
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         tables: list[list[int]] = []
         context_lens: list[int] = []
-        for item in decodes:
-            seq, pos = item.seq, item.start
-            tokens.append(seq.all_token_ids[pos])
+        for context, token, item, _ in layout.rows:
+            seq, pos = item.seq, context - 1
+            tokens.append(token)
             positions.append(pos)
             slots.append(seq.blocks[pos // bs].block_id * bs + pos % bs)
             tables.append([b.block_id for b in seq.blocks[: pos // bs + 1]])
-            context_lens.append(pos + 1)
+            context_lens.append(context)
         logits = graphs.run(tokens, positions, slots, tables, context_lens)  # [n, vocab]
         # NOTE: a 1-token prefill chunk rides as a decode row and does not sample.
-        sample_rows = [i for i, item in enumerate(decodes) if item.samples]
+        sample_rows = layout.sample_rows
         if not sample_rows:
             return StepResult({}, {})
-        if len(sample_rows) < len(decodes):
+        if sample_rows != list(range(len(layout.rows))):
             rows = torch.tensor(sample_rows, dtype=torch.int64)
             if self.device.type == "cuda":
                 rows = rows.pin_memory()  # an asynchronous copy: no sync before the sampler's
             logits = logits.index_select(0, rows.to(self.device, non_blocking=True))
-        return self._sample(logits, [decodes[i] for i in sample_rows])
+        return self._sample(logits, layout.sample_items)
 
     def _sample(self, logits: torch.Tensor, sample_items: list[ScheduledSeq]) -> StepResult:
-        """Sample one token per row of `logits` [N, vocab], row i for sample_items[i]."""
-        ids = [item.seq.request_id for item in sample_items]
-        sampled_at = [item.seq.num_tokens for item in sample_items]  # the new token's position
-        result = self.sampler(logits, sampled_at, [item.seq.params for item in sample_items])
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp}
-        return StepResult(dict(zip(ids, result.token_ids, strict=True)), logprobs)
+        return sample_step(self.sampler, logits, sample_items)
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64, device=self.device)
@@ -192,23 +197,20 @@ class ModelRunner:
                 sample_rows.append(query_start + n - 1)
                 sample_items.append(item)
         num_prefill_tokens = len(tokens)
-        # Decodes ordered by context length: the torch backend attends to runs of similar
-        # lengths together, padding each run only to its own longest context.
-        decodes = sorted(out.decodes, key=lambda item: item.start)
-        for item in decodes:
-            pos = item.start
-            tokens.append(item.seq.all_token_ids[pos])
+        layout = _decode_layout(out)
+        for context, token, item, _ in layout.rows:
+            pos = context - 1
+            tokens.append(token)
             positions.append(pos)
             slots.append(item.seq.blocks[pos // bs].block_id * bs + pos % bs)
-            if item.samples:  # NOTE: a 1-token prefill chunk rides here and does not sample
-                sample_rows.append(len(tokens) - 1)
-                sample_items.append(item)
+        sample_rows.extend(num_prefill_tokens + row for row in layout.sample_rows)
+        sample_items.extend(layout.sample_items)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_prefill_tokens=num_prefill_tokens,
             prefills=prefills,
             prefill_batch=self._prefill_batch(prefills),
-            decode=self._decode_meta(decodes),
+            decode=self._decode_meta([(context, item.seq) for context, _, item, _ in layout.rows]),
         )
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sample_items
 
@@ -228,15 +230,98 @@ class ModelRunner:
             ),
         )
 
-    def _decode_meta(self, decodes: list[ScheduledSeq]) -> DecodeMeta | None:
-        if not decodes:
+    def _decode_meta(self, rows: list[tuple[int, Sequence]]) -> DecodeMeta | None:
+        """The decode rows' metadata; `rows`: (context length, sequence), ascending."""
+        if not rows:
             return None
-        context_lens = [item.start + 1 for item in decodes]
+        context_lens = [context for context, _ in rows]
         max_blocks = -(-context_lens[-1] // self.block_size)
-        tables = [[b.block_id for b in item.seq.blocks[:max_blocks]] for item in decodes]
+        tables = [[b.block_id for b in seq.blocks[:max_blocks]] for _, seq in rows]
         tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         return DecodeMeta(
             block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             context_lens_list=context_lens,
         )
+
+
+@dataclass
+class _DecodeLayout:
+    """A step's decode rows: (context length, token, item, j) ascending by context, and
+    which of them sample, for which items (in the order the sampled rows come)."""
+
+    rows: list[tuple[int, int, ScheduledSeq, int]]
+    sample_rows: list[int]  # indices into `rows`
+    sample_items: list[ScheduledSeq]
+
+
+def _decode_layout(out: SchedulerOutput) -> _DecodeLayout:
+    """The plain decodes and each position j of each verify row (its last token, then
+    the proposals), as decode rows. With every new token's KV written before attention,
+    position j attending to the context up to itself (start + j + 1 tokens) is exactly a
+    decode row of that context length, which every backend runs well (the CPU kernel and
+    the Triton decode kernel read the paged KV in place, and CUDA graphs replay it).
+    Ordered by context length: the torch backend attends to runs of similar lengths
+    together, padding each run only to its own longest context."""
+    rows: list[tuple[int, int, ScheduledSeq, int]] = []
+    for item in out.decodes:
+        rows.append((item.start + 1, item.seq.all_token_ids[item.start], item, 0))
+    for item in out.verifies:
+        ids = [item.seq.all_token_ids[item.start], *item.spec_token_ids]
+        rows.extend((item.start + j + 1, t, item, j) for j, t in enumerate(ids))
+    rows.sort(key=lambda row: row[0])
+    sample_rows: list[int] = []
+    sample_items: list[ScheduledSeq] = []
+    verify_rows: dict[tuple[int, int], int] = {}
+    for i, (_, _, item, j) in enumerate(rows):
+        if item.spec_token_ids:
+            verify_rows[id(item), j] = i
+        elif item.samples:  # NOTE: a 1-token prefill chunk rides here and does not sample
+            sample_rows.append(i)
+            sample_items.append(item)
+    for item in out.verifies:  # all its positions sample, in order
+        sample_rows.extend(verify_rows[id(item), j] for j in range(item.num_new_tokens))
+        sample_items.append(item)
+    return _DecodeLayout(rows, sample_rows, sample_items)
+
+
+def sample_step(
+    sampler: Sampler, logits: torch.Tensor, sample_items: list[ScheduledSeq]
+) -> StepResult:
+    """Sample the rows of `logits` [N, vocab]: in sample_items' order, one row per
+    item, or 1 + m rows for a verify row with m proposals."""
+    ids = [item.seq.request_id for item in sample_items]
+    if not any(item.spec_token_ids for item in sample_items):
+        sampled_at = [item.seq.num_tokens for item in sample_items]  # the new token's
+        result = sampler(logits, sampled_at, [item.seq.params for item in sample_items])
+        one = {rid: [lp] for rid, lp in zip(ids, result.logprobs, strict=True) if lp}
+        return StepResult({rid: [t] for rid, t in zip(ids, result.token_ids, strict=True)}, one)
+    positions: list[int] = []
+    params = []
+    for item in sample_items:
+        n = 1 + len(item.spec_token_ids)
+        # Row j predicts the token at num_tokens + j: decoding's own draw for it.
+        positions.extend(range(item.seq.num_tokens, item.seq.num_tokens + n))
+        params.extend([item.seq.params] * n)
+    targets = sampler.sample(logits, positions, params)
+    sampled: dict[str, list[int]] = {}
+    kept_rows: list[int] = []  # the rows of the emitted tokens
+    row = 0
+    for rid, item in zip(ids, sample_items, strict=True):
+        n = 1 + len(item.spec_token_ids)
+        tokens = accept(targets[row : row + n], list(item.spec_token_ids))
+        sampled[rid] = tokens
+        kept_rows.extend(range(row, row + len(tokens)))
+        row += n
+    kept_params = [params[r] for r in kept_rows]
+    if all(p.logprobs is None for p in kept_params):
+        return StepResult(sampled, {})
+    flat = sampler.logprobs(logits, [targets[r] for r in kept_rows], kept_params, kept_rows)
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    at = 0
+    for rid, tokens in sampled.items():
+        lps = flat[at : at + len(tokens)]
+        at += len(tokens)
+        if lps[0] is not None:
+            logprobs[rid] = [lp for lp in lps if lp is not None]
+    return StepResult(sampled, logprobs)

@@ -36,6 +36,13 @@ class Sampler:
 
         `positions[i]` is the position in its sequence of the token row i samples.
         """
+        ids = self.sample(logits, positions, params)
+        return SamplerOutput(ids, self._logprobs(logits, ids, params))
+
+    def sample(
+        self, logits: torch.Tensor, positions: Seq[int], params: Seq[SamplingParams]
+    ) -> list[int]:
+        """`__call__`'s tokens, without logprobs."""
         token_ids = logits.argmax(dim=-1)  # [N]; right for every greedy row
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
@@ -46,8 +53,19 @@ class Sampler:
                 [params[i] for i in random_rows],
             )
             token_ids = token_ids.index_copy(0, rows, sampled)
-        ids = token_ids.tolist()
-        return SamplerOutput(ids, self._logprobs(logits, ids, params))
+        ids: list[int] = token_ids.tolist()
+        return ids
+
+    def logprobs(
+        self,
+        logits: torch.Tensor,
+        token_ids: list[int],
+        params: Seq[SamplingParams],
+        rows: list[int],
+    ) -> list[TokenLogprobs | None]:
+        """The logprobs of `token_ids[i]` (and its top-n) under `logits[rows[i]]`, for
+        each i whose params want them."""
+        return self._logprobs(logits, token_ids, params, rows)
 
     def _sample_rows(
         self, logits: torch.Tensor, positions: list[int], params: list[SamplingParams]
@@ -133,9 +151,13 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        logits: torch.Tensor, token_ids: list[int], params: Seq[SamplingParams]
+        logits: torch.Tensor,
+        token_ids: list[int],
+        params: Seq[SamplingParams],
+        rows_of: list[int] | None = None,
     ) -> list[TokenLogprobs | None]:
-        """Logprob of each sampled token and its row's top-n, for rows that want them.
+        """Logprob of each sampled token and its row's top-n, for rows that want them
+        (token i's row is `rows_of[i]`, by default i).
 
         The one place logprobs are computed: the first token's on a prefill worker (it
         travels to the decode worker in the transfer header) and every later one's.
@@ -147,7 +169,9 @@ class Sampler:
         if not wanted:
             return result
         device = logits.device
-        rows = torch.tensor(wanted, device=device)
+        rows = torch.tensor(
+            wanted if rows_of is None else [rows_of[i] for i in wanted], device=device
+        )
         logprobs = logits.index_select(0, rows).log_softmax(dim=-1)  # [W, vocab] float32
         chosen_ids = torch.tensor([token_ids[i] for i in wanted], device=device)
         chosen = logprobs.gather(1, chosen_ids.unsqueeze(1))  # [W, 1]

@@ -13,53 +13,86 @@ recomputed preempted sequences alike) as keep its predicted time within the targ
 always at least `min_prefill_chunk` so prompts still progress: every running stream waits
 for the whole step, so an uncapped prompt would stall them all (Sarathi-style chunking).
 A step without decode rows keeps the whole token budget: no stream waits on it.
+
+With a proposer (speculative decoding, `engine/speculative.py`), the token budget left
+once every running sequence has its decode token or prefill chunk goes to proposals
+before waiting requests are admitted: a decoding sequence with `m` proposed tokens (as
+many as the adaptive `SpecPolicy` finds worth their cost, when it is on) becomes a
+*verify* row of `m + 1` query tokens (its last token, then the proposals), for which
+KV slots are reserved like any chunk. Speculation never preempts: a proposal that
+does not fit the free blocks is dropped. After the step, `update` keeps the accepted
+tokens only: the sequence's computed tokens end at the accepted length (the KV written
+for rejected proposals lies beyond it, never read, and is overwritten by the next step),
+and blocks that held only rejected slots go back to the pool. Block hashes come from
+`seq.all_token_ids`, which never holds an unaccepted token, so no block holding one is
+ever registered in the prefix cache.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.speculative import Proposer, SpecPolicy, SpecStats
 from pdserve.engine.step_cost import StepShape, chunk_attention
+
+# Called after each token `update` appends (and its token-level stop check), with the
+# token's index among the sequence's tokens of this step; True ends the sequence (STOP):
+# the engine's stop-string check.
+OnToken = Callable[[Sequence, int, int], bool]
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # query tokens of its row (a verify row: 1 + the proposals)
     start: int  # seq.num_computed_tokens when scheduled
+    # A verify row's proposed tokens, after the sequence's last token (speculative.py).
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this step computes the sequence's last token (and so samples)."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     prefills: list[ScheduledSeq] = field(default_factory=list)  # > 1 new token
     decodes: list[ScheduledSeq] = field(default_factory=list)  # exactly 1 new token
+    # Decoding sequences with proposals: the last token + the proposals (all sample).
+    verifies: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.prefills) + len(self.decodes)
+        rows = (*self.prefills, *self.verifies)
+        return sum(s.num_new_tokens for s in rows) + len(self.decodes)
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefills and not self.decodes and not self.verifies
+
+    @property
+    def scheduled(self) -> tuple[ScheduledSeq, ...]:
+        """Every scheduled sequence: prefills, verify rows, decodes (the batch's order)."""
+        return (*self.prefills, *self.verifies, *self.decodes)
 
     def shape(self) -> StepShape:
-        """What the step costs depend on (the cost model's input)."""
+        """What the step costs depend on (the cost model's input). A verify row of n
+        tokens runs as n decode rows (model_runner.py), of contexts start + 1..start + n."""
         chunks = [(s.start, s.num_new_tokens) for s in self.prefills]
+        verify = [(s.start, s.num_new_tokens) for s in self.verifies]
         return StepShape(
-            decode_rows=len(self.decodes),
-            decode_context=sum(s.start + 1 for s in self.decodes),
+            decode_rows=len(self.decodes) + sum(n for _, n in verify),
+            decode_context=sum(s.start + 1 for s in self.decodes)
+            + sum(n * start + n * (n + 1) // 2 for start, n in verify),
             prefill_tokens=sum(n for _, n in chunks),
             prefill_attention=sum(chunk_attention(start, n) for start, n in chunks),
         )
@@ -137,11 +170,16 @@ class Scheduler:
         kv: KVCacheManager,
         limits: SchedulerLimits,
         cost_model: StepCostPredictor | None = None,
+        proposer: Proposer | None = None,
+        spec_policy: SpecPolicy | None = None,
     ) -> None:
         self.kv = kv
         self.limits = limits
         self.cost_model = cost_model
+        self.proposer = proposer  # speculative decoding; None: off
+        self.spec_policy = spec_policy  # how much of a proposal to verify; None: all
         self.stats = SchedulerStats()
+        self.spec_stats = SpecStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -157,6 +195,8 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         cap = self._prefill_cap()
         budget = self._schedule_running(out, budget, cap)
+        if self.proposer is not None and not out.preempted:
+            budget = self._speculate(out, budget, cap)
         if not out.preempted:
             self._schedule_waiting(out, budget, cap)
         self.stats.num_steps += 1
@@ -210,6 +250,50 @@ class Scheduler:
         self.running = scheduled + self.running
         return budget
 
+    def _speculate(self, out: SchedulerOutput, budget: int, cap: _PrefillCap | None) -> int:
+        """Turn decode rows into verify rows where the proposer has tokens and budget and
+        free blocks last (never preempting for them); return the budget left."""
+        proposer, policy, stats = self.proposer, self.spec_policy, self.spec_stats
+        assert proposer is not None
+        k, max_len = proposer.num_speculative_tokens, self.limits.max_model_len
+        if policy is not None:
+            rows = sum(s.samples for s in (*out.prefills, *out.decodes))
+            policy.begin_step(out.shape().features(), rows)
+        decodes: list[ScheduledSeq] = []
+        for item in out.decodes:
+            seq = item.seq
+            # At most the tokens the request may still emit, and the context holds,
+            # minus the one a verify row always emits.
+            room = min(
+                k,
+                budget,
+                seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                max_len - seq.num_tokens - 1,
+            )
+            proposal = proposer.propose(seq, room) if item.samples and room > 0 else []
+            if proposal and policy is not None:
+                worth = policy.length(seq, item.start, len(proposal))
+                if worth == 0:
+                    policy.withhold(seq, proposal[0])
+                stats.withheld_tokens += len(proposal) - worth
+                proposal = proposal[:worth]
+            if not proposal or not self.kv.allocate_slots(seq, 1 + len(proposal)):
+                decodes.append(item)
+                continue
+            m = len(proposal)
+            out.verifies.append(ScheduledSeq(seq, 1 + m, item.start, tuple(proposal)))
+            budget -= m
+            if cap is not None:  # each proposal runs as one more decode row
+                for j in range(1, m + 1):
+                    cap.shape = cap.shape.with_decode(item.start + j + 1)
+                cap.room -= m
+        out.decodes = decodes
+        if out.verifies:
+            stats.verify_steps += 1
+            stats.verify_rows += len(out.verifies)
+            stats.proposed_tokens += sum(len(v.spec_token_ids) for v in out.verifies)
+        return budget
+
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(seq, num_new):
             victim = self.running.pop() if self.running else seq
@@ -260,25 +344,64 @@ class Scheduler:
         item = ScheduledSeq(seq, num_new, seq.num_computed_tokens)
         (out.decodes if num_new == 1 else out.prefills).append(item)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: Mapping[str, int | Seq[int]],
+        on_token: OnToken | None = None,
+    ) -> list[Sequence]:
         """Advance computed tokens, append sampled tokens; return sequences that finished.
 
-        `sampled` maps request id -> the token sampled for each sequence whose step
-        completed its tokens.
+        `sampled` maps request id -> the token (or tokens: a verify row's accepted ones
+        and the target's next) sampled for each sequence whose step completed its
+        tokens. Tokens are appended one at a time, each checked for a stop as if it were
+        its own step: a stop ends the sequence there and drops the tokens after it.
+        `on_token` runs after each (the engine's stop strings).
         """
         finished: list[Sequence] = []
-        for item in (*out.prefills, *out.decodes):
+        for item in out.scheduled:
             seq = item.seq
             seq.num_computed_tokens = item.start + item.num_new_tokens
-            token_id = sampled.get(seq.request_id)
-            if token_id is None:
+            tokens = sampled.get(seq.request_id)
+            if tokens is None:
                 continue
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            if item.spec_token_ids:
+                appended = self._append(seq, tokens, on_token)
+                self._roll_back(seq, item, len(tokens), appended)
+            else:
+                if self.spec_policy is not None:
+                    self.spec_policy.shadow(seq, tokens[0])
+                self._append(seq, tokens, on_token)
+            if seq.is_finished:
+                finished.append(seq)
+        return finished
+
+    def _append(self, seq: Sequence, tokens: Seq[int], on_token: OnToken | None) -> int:
+        """Append `tokens` up to the first stop; return how many were appended."""
+        for index, token_id in enumerate(tokens):
             seq.append_token(token_id)
             reason = self.stop_reason(seq, token_id)
             if reason is not None:
                 self.finish(seq, reason)
-                finished.append(seq)
-        return finished
+            if on_token is not None and on_token(seq, index, token_id):
+                self.finish(seq, FinishReason.STOP)  # no-op when already finished
+            if seq.is_finished:
+                return index + 1
+        return len(tokens)
+
+    def _roll_back(self, seq: Sequence, item: ScheduledSeq, emitted: int, appended: int) -> None:
+        """After a verify row: the KV computed is that of the last token and the accepted
+        proposals (`emitted` - 1 of them): the computed tokens end there, and the blocks
+        beyond the sequence's tokens (they held rejected slots only) go back to the pool."""
+        stats = self.spec_stats
+        stats.accepted_tokens += emitted - 1
+        stats.emitted_tokens += appended
+        if self.spec_policy is not None:
+            self.spec_policy.observe(seq, len(item.spec_token_ids), emitted - 1)
+        seq.num_computed_tokens = item.start + appended
+        if seq.blocks:  # not freed by finishing
+            self.kv.trim(seq)
 
     def stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         """Why `seq` stops after appending `token_id`, or None to go on."""

@@ -95,6 +95,8 @@ class StepCostModel:
         self._skip = warmup_steps  # first steps: allocation, kernel builds, cold caches
         self._since_fit = 0
         self._coef: tuple[float, ...] | None = None
+        self._decode_since_fit = 0
+        self._decode_coef: tuple[float, ...] | None = None
         self.num_observed = 0
 
     def observe(self, shape: StepShape, seconds: float) -> None:
@@ -107,6 +109,7 @@ class StepCostModel:
         window.append((shape, seconds))
         self.num_observed += 1
         self._since_fit += 1
+        self._decode_since_fit += not shape.prefill_tokens
 
     @property
     def coefficients(self) -> tuple[float, ...] | None:
@@ -114,6 +117,25 @@ class StepCostModel:
         if self._coef is None or self._since_fit >= self.refit_every:
             self._refit()
         return self._coef
+
+    @property
+    def decode_coefficients(self) -> tuple[float, ...] | None:
+        """Coefficients for steps without prefill tokens: the full fit's when there is one,
+        else a fit of (a, b, c) on the steps without prefill alone, with d = e = 0 (what
+        a decode-heavy engine, which sees few prefills, still learns: speculative
+        decoding's `SpecPolicy` prices its verify rows with it); None before either."""
+        coef = self.coefficients
+        if coef is not None:
+            return coef
+        if self._decode_coef is None or self._decode_since_fit >= self.refit_every:
+            rows = list(self._without_prefill)
+            if len(rows) >= self.min_samples:
+                self._decode_since_fit = 0
+                x = np.array([shape.features()[:3] for shape, _ in rows], dtype=np.float64)
+                y = np.array([seconds for _, seconds in rows], dtype=np.float64)
+                abc = _relative_nonneg_lstsq(x, y)
+                self._decode_coef = (*(float(c) for c in abc), 0.0, 0.0)
+        return self._decode_coef
 
     def predict(self, shape: StepShape) -> float | None:
         """Predicted seconds of a step of `shape`; None before there is enough data."""

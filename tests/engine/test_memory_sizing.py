@@ -203,6 +203,29 @@ def test_the_pool_follows_from_the_measured_numbers(
     eng.block_pool.check_no_leaks()
 
 
+def test_speculation_profiles_a_step_of_verify_rows(
+    random_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With speculative decoding a step can sample at every token of its budget (verify
+    rows): the profile runs such a step too, after the two usual ones."""
+    steps: list[tuple[int, int]] = []  # (tokens, sampled logits rows) of each step
+    execute = ModelRunner.execute
+
+    def recording_execute(self: ModelRunner, out: SchedulerOutput) -> StepResult:
+        result = execute(self, out)
+        rows = sum(1 + len(s.spec_token_ids) for s in out.scheduled if s.samples)
+        steps.append((out.num_tokens, rows))
+        return result
+
+    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+    start = device(total=4 * GIB, free=3 * GIB)
+    peak = 100 * MIB + scratch_bytes()
+    reader = FakeReader(start, start, peak)
+    engine(random_model_dir, reader, gpu_memory_utilization=0.25, speculative="ngram:k=3")
+    # 16 sequences at most: 16 verify rows of 4 tokens, 64 logits rows
+    assert steps == [(STEP_TOKENS, 1), (STEP_TOKENS, MAX_SEQS), (4 * MAX_SEQS, 4 * MAX_SEQS)]
+
+
 def test_the_default_utilization_is_0_9_and_limits_the_pool(random_model_dir: Path) -> None:
     start = device(total=GIB, free=GIB)
     engine_peak = int(0.9 * GIB) - 100 * BLOCK_BYTES - 5

@@ -96,6 +96,24 @@ def test_no_prediction_until_enough_steps_with_prefill_were_seen() -> None:
     assert predicted is not None and predicted == pytest.approx(true_cost(mixed), rel=0.05)
 
 
+def test_decode_coefficients_come_from_decode_steps_alone_until_a_full_fit() -> None:
+    """A decode-heavy engine sees few prefills: what a decode row costs (speculative
+    decoding's `SpecPolicy` needs it) is still fitted, from the steps without prefill."""
+    rng = random.Random(1)
+    model = StepCostModel()
+    for _ in range(60):
+        shape = random_shape(rng, prefill=False)
+        if shape.prefill_tokens:
+            continue
+        model.observe(shape, true_cost(shape))
+    assert model.coefficients is None and model.predict(StepShape().with_decode(10)) is None
+    coef = model.decode_coefficients
+    assert coef is not None and coef[3:] == (0.0, 0.0)
+    assert coef[:3] == pytest.approx(TRUE_COEF[:3], rel=0.05)
+    full = fitted(rng, 400)
+    assert full.decode_coefficients == full.coefficients  # the full fit, once there is one
+
+
 def test_coefficients_stay_non_negative_so_longer_chunks_never_predict_less() -> None:
     # Times that *fall* with the decode context (as noise or a changing machine can make
     # them look): the fit drops that term rather than predicting negative costs.
