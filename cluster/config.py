@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pdserve.engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -31,6 +38,7 @@ from pdserve.engine.config import (
 )
 from pdserve.engine.errors import EngineError
 from pdserve.engine.model_config import ModelConfig, load_model_config, tensor_parallel_problems
+from pdserve.engine.speculative import SpeculativeConfig
 from pdserve.kv_transfer.tls import TLSConfig
 
 Mode = Literal["disagg", "colocated"]
@@ -248,6 +256,11 @@ class ClusterConfig(BaseModel):
     # "int8": the blocks' projections as int8 with a scale per row, in both roles
     # (EngineConfig.quantization); the embedding, LM head and norms stay in dtype.
     quantization: Quantization = "none"
+    # The decode pool speculates (EngineConfig.speculative, engine/speculative.py):
+    # "ngram:k=K[,n=N][,adaptive=on|off]", prompt lookup. The prefill pool samples one
+    # token per request, so it has nothing to speculate; in colocated mode the one pool
+    # (the decode deployment) does.
+    speculative: str | None = None
     num_threads: int = Field(default=1, ge=1, description="torch threads per replica")
     block_size: int = Field(default=16, ge=1, le=1024)
     max_model_len: int | None = Field(default=None, ge=2)
@@ -289,6 +302,13 @@ class ClusterConfig(BaseModel):
     first_token_timeout_s: float = Field(default=120.0, gt=0)
     max_resumes: int = Field(default=2, ge=0, description="decode failures one stream survives")
     stall_timeout_s: float = Field(default=120.0, gt=0)
+
+    @field_validator("speculative")
+    @classmethod
+    def _check_speculative(cls, value: str | None) -> str | None:
+        if value is not None:
+            SpeculativeConfig.parse(value)  # the engine's own check: ValueError naming it
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
@@ -498,6 +518,7 @@ class ClusterConfig(BaseModel):
             gpu_memory_utilization=self.worker_gpu_memory_utilization(),
             load_format=self.load_format,
             quantization=self.quantization,
+            speculative=self.speculative if role == "decode" else None,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -122,6 +122,7 @@ def _up(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format,
         quantization=args.quantization,
+        speculative=args.speculative,
         tpot_target_ms=args.tpot_target_ms,
         enforce_eager=args.enforce_eager,
         kv_staging_mb=args.kv_staging_mb,
@@ -351,6 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="int8: the transformer blocks' linear weights as int8 with a scale per output "
         "row (half the bytes of bf16 per decode step); use with --dtype bfloat16 on CPU",
+    )
+    up.add_argument(
+        "--speculative",
+        default=None,
+        metavar="SPEC",
+        help='speculative decoding on the decode pool: "ngram:k=4" (prompt lookup: up to 4'
+        " tokens proposed per step from the sequence's own text, verified in one pass;"
+        ' greedy output unchanged), "ngram:k=K,n=N,adaptive=off"',
     )
     up.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     up.add_argument(

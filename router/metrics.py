@@ -46,6 +46,10 @@ _WORKER_GAUGES = {
     "kv_blocks_total": "KV blocks in the pool",
     "pending_transfers": "KV transfers a decode worker expects, receives or holds",
     "prefill_tokens_per_s": "Measured prefill throughput, prompt tokens per busy second",
+    "spec_proposed_tokens": "Speculative decoding: tokens proposed since start",
+    "spec_accepted_tokens": "Speculative decoding: proposed tokens accepted since start",
+    "spec_emitted_tokens": "Speculative decoding: tokens emitted by verify rows since start",
+    "tp_all_reduce_us_per_step": "Tensor parallel: the driver's all-reduce time per step, us",
 }
 
 

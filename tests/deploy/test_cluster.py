@@ -28,12 +28,15 @@ import pytest
 from pdserve.benchmarks.bench_report import sample, scrape_metrics
 
 MAX_TOKENS = 8
+SPEC = "ngram:k=4,adaptive=off"
 BLOCK_SIZE = 8
 LEASE_S = 3.0
 CLUSTERS = {
     # First: its answers are the reference of the disaggregated clusters' logprobs.
     # API keys on (every client of this module sends API_KEY).
-    "colocated": ("--mode", "colocated", "--api-keys-file", "{keys}"),
+    # Speculation on (prompt lookup, every proposal verified) in one cluster of each
+    # mode: every test here then holds it to the reference tokens too.
+    "colocated": ("--mode", "colocated", "--api-keys-file", "{keys}", "--speculative", SPEC),
     # Pinned pools: prefill on the first CPU, decode on the last (the same one on 1 CPU).
     "disagg-grpc": (
         *("--mode", "disagg", "--transport", "grpc"),
@@ -42,7 +45,7 @@ CLUSTERS = {
     ),
     # Router limits, small enough to hit: 40 requests in flight, 64 KiB bodies.
     "disagg-ucx": (
-        *("--mode", "disagg", "--transport", "ucx"),
+        *("--mode", "disagg", "--transport", "ucx", "--speculative", SPEC),
         *("--max-inflight-requests", "40", "--max-body-bytes", "65536"),
     ),
 }
@@ -114,9 +117,8 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 def greedy(c: openai.OpenAI, model: str, prompt: list[int] | str, **kw: Any) -> Any:
     extra = {"ignore_eos": True, "return_token_ids": True, **kw.pop("extra_body", {})}
-    return c.completions.create(
-        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra, **kw
-    )
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return c.completions.create(model=model, prompt=prompt, temperature=0, extra_body=extra, **kw)
 
 
 def assert_workers_idle(url: str) -> None:
@@ -364,6 +366,35 @@ def _local_prefills(url: str) -> float:
         for (name, _), value in scrape_metrics(url).items()
         if name.startswith("pdserve_decode_local_prefill") and name.endswith("_total")
     )
+
+
+@pytest.mark.parametrize("cluster", ["colocated", "disagg-ucx"], indirect=True)
+def test_speculation_proposes_and_keeps_the_tokens(
+    cluster: tuple[str, str], model_dir: Path, hf_greedy: Any
+) -> None:
+    """The decode pool speculates (`--speculative`): a prompt that repeats itself gets
+    proposals from its own text, verified in the running batch, and the tokens are still
+    exactly `transformers`' greedy ones."""
+    name, url = cluster
+    rng = random.Random(9)
+    part = [rng.randrange(5, 512) for _ in range(12)]
+    prompt = part * 3
+    (want,) = hf_greedy(model_dir, [prompt], 32)
+
+    def proposed() -> int:
+        return sum(w.get("spec_proposed_tokens", 0) for w in decode_workers(url))
+
+    before = proposed()
+    c = client(url)
+    out = greedy(c, c.models.list().data[0].id, prompt, max_tokens=32)
+    assert out.choices[0].model_extra["token_ids"] == want, name
+    assert proposed() > before, "the decode worker proposed nothing"
+    assert all("spec_proposed_tokens" in w for w in decode_workers(url))
+    assert_workers_idle(url)
+
+
+def decode_workers(url: str) -> list[dict[str, Any]]:
+    return [w for w in get_json(f"{url}/workers")["workers"] if w["role"] == "decode"]
 
 
 # Checked once, on the disaggregated gRPC cluster (the same module-scoped instance).
