@@ -2,9 +2,11 @@
 
 All layers' KV cache is one tensor `[num_layers, 2, num_blocks, kv_heads, block_size,
 head_dim]` (2 = K, V); a layer sees the views `[num_blocks, kv_heads, block_size,
-head_dim]`. A block is contiguous (a transfer ships whole blocks: `kernels/kv_pack.py`)
-and within it each head's rows are contiguous (attention reads [tokens, head_dim]
-slabs). A token's *slot* is `block_id * block_size + offset`.
+head_dim]`. An 8-bit cache (`kv_cache_dtype` int8 or fp8) is the same shape of uint8
+rows of `head_dim + 2` bytes, codes and their scale (engine/kv_quant.py). A block is
+contiguous (a transfer ships whole blocks: `kernels/kv_pack.py`) and within it each
+head's rows are contiguous (attention reads [tokens, head_dim] slabs). A token's *slot*
+is `block_id * block_size + offset`.
 
 A step's tokens arrive flat: first the prefill chunks (one or more new tokens per
 sequence), then the decode tokens (exactly one per sequence, ordered by context
@@ -14,12 +16,14 @@ length). The runner builds one `AttentionMetadata` per step; every layer reuses 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine import kv_quant
 from pdserve.engine.cpu_kernels import CpuKernels
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -77,6 +81,8 @@ class AttentionBackend(ABC):
     # Whether the model runs its norms and rotary embedding in Triton kernels with this
     # backend (`engine/ops.py`): the fused forward, and decode steps as CUDA graphs.
     uses_triton_ops: bool = False
+    # "auto" (the model's dtype), or an 8-bit format of engine/kv_quant.py
+    kv_cache_dtype: str = "auto"
 
     @abstractmethod
     def forward(
@@ -101,7 +107,7 @@ class _DecodeGroup:
     """Decode rows of similar context length, attended in one padded SDPA call."""
 
     rows: slice
-    block_rows: torch.Tensor  # [KVH * b * max_blocks] rows of the [blocks * KVH, bs * D] view
+    block_rows: torch.Tensor  # [KVH * b * max_blocks] rows of the [blocks * KVH, bs, D] view
     num_blocks: int
     mask: torch.Tensor  # [b, 1, 1, num_blocks * bs] bool, True where attended
 
@@ -160,9 +166,24 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: index_copy into the cache, gather whole blocks, SDPA."""
+    """Reference backend: index_copy into the cache, gather whole blocks, SDPA.
+
+    With an 8-bit cache it quantizes the rows it writes and dequantizes what it gathers;
+    a prefill chunk attends to its own fresh K/V rounded through the format, so every
+    token is seen as the cache holds it (engine/kv_quant.py, "What attention sees").
+    """
 
     name = "torch"
+
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
+        self.kv_cache_dtype = kv_cache_dtype
+        self._quantized = kv_quant.is_quantized(kv_cache_dtype)
+
+    def _values(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered cache rows as K/V values of `dtype` (a no-op for an unquantized cache)."""
+        if not self._quantized:
+            return rows
+        return kv_quant.dequantize(rows, self.kv_cache_dtype, dtype)
 
     def forward(
         self,
@@ -174,17 +195,26 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        kv_heads, block_size, head_dim = k_cache.shape[1:]
-        token_bytes = 2 * kv_heads * head_dim * k_cache.element_size()
+        kv_heads, block_size, row = k_cache.shape[1:]  # row: head_dim, or its 8-bit bytes
+        # the gathered K/V of a decode group are values of q's dtype either way
+        token_bytes = 2 * kv_heads * q.shape[-1] * q.element_size()
         plan = self._plan(meta, kv_heads, block_size, token_bytes)
-        k_cache.view(-1, head_dim).index_copy_(0, plan["write"], k.reshape(-1, head_dim))
-        v_cache.view(-1, head_dim).index_copy_(0, plan["write"], v.reshape(-1, head_dim))
-        k_blocks = k_cache.view(-1, block_size * head_dim)  # [blocks * KVH, bs * D]
-        v_blocks = v_cache.view(-1, block_size * head_dim)
+        k_rows, v_rows = k, v
+        if self._quantized:
+            k_rows = kv_quant.quantize(k, self.kv_cache_dtype)
+            v_rows = kv_quant.quantize(v, self.kv_cache_dtype)
+            if meta.prefills:  # a chunk sees its own tokens as the cache holds them
+                k, v = self._values(k_rows, k.dtype), self._values(v_rows, v.dtype)
+        k_cache.view(-1, row).index_copy_(0, plan["write"], k_rows.reshape(-1, row))
+        v_cache.view(-1, row).index_copy_(0, plan["write"], v_rows.reshape(-1, row))
+        k_blocks = k_cache.view(-1, block_size, row)  # [blocks * KVH, bs, row]
+        v_blocks = v_cache.view(-1, block_size, row)
         out = torch.empty_like(q)
         for p, rows in zip(meta.prefills, plan["prefill"], strict=True):
             sl = slice(p.query_start, p.query_start + p.query_len)
-            out[sl] = _prefill(q[sl], k[sl], v[sl], k_blocks, v_blocks, rows, p, scale)
+            out[sl] = _prefill(
+                q[sl], k[sl], v[sl], k_blocks, v_blocks, rows, p, scale, self._values
+            )
         if meta.decode is not None:
             start = meta.num_prefill_tokens
             out[start:] = self._decode_rows(q[start:], kv_cache, meta.decode, plan, scale)
@@ -200,11 +230,11 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Attention output [B, H, D] of the decode rows `q` [B, H, D]."""
         k_cache, v_cache = kv_cache
-        rows = k_cache.shape[2] * k_cache.shape[3]
-        k_blocks, v_blocks = k_cache.view(-1, rows), v_cache.view(-1, rows)
+        shape = (-1, *k_cache.shape[2:])  # [blocks * KVH, bs, row]
+        k_blocks, v_blocks = k_cache.view(shape), v_cache.view(shape)
         out = torch.empty_like(q)
         for g in plan["decode"]:
-            out[g.rows] = _decode(q[g.rows], k_blocks, v_blocks, g, scale)
+            out[g.rows] = _decode(q[g.rows], k_blocks, v_blocks, g, scale, self._values)
         return out
 
     def _decode_groups(
@@ -238,6 +268,10 @@ class TorchAttentionBackend(AttentionBackend):
         return plan
 
 
+# gathered cache rows -> K/V values of a dtype (TorchAttentionBackend._values)
+_Values = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+
+
 def _prefill(
     q: torch.Tensor,  # [S, H, D]
     k: torch.Tensor,  # [S, KVH, D]
@@ -247,15 +281,17 @@ def _prefill(
     block_rows: torch.Tensor | None,  # [KVH, num_blocks]
     p: PrefillMeta,
     scale: float,
+    values: _Values,
 ) -> torch.Tensor:
     if block_rows is None:  # no cached prefix: attend to the chunk itself
         mask = None
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, S, D]
     else:
-        kv_heads, head_dim = block_rows.shape[0], q.shape[-1]
-        k = k_blocks.index_select(0, block_rows.view(-1)).view(kv_heads, -1, head_dim)
-        v = v_blocks.index_select(0, block_rows.view(-1)).view(kv_heads, -1, head_dim)
-        k, v = k[:, : p.context_len], v[:, : p.context_len]  # [KVH, C, D]
+        kv_heads, row = block_rows.shape[0], k_blocks.shape[-1]
+        k = k_blocks.index_select(0, block_rows.view(-1)).view(kv_heads, -1, row)
+        v = v_blocks.index_select(0, block_rows.view(-1)).view(kv_heads, -1, row)
+        k, v = k[:, : p.context_len], v[:, : p.context_len]  # [KVH, C, row]
+        k, v = values(k, q.dtype), values(v, q.dtype)  # [KVH, C, D]
         # query i sits at absolute position (C - S + i) and sees keys j <= that.
         offset = p.context_len - p.query_len
         mask = torch.ones(p.query_len, p.context_len, dtype=torch.bool, device=q.device)
@@ -283,12 +319,15 @@ def _decode(
     v_blocks: torch.Tensor,
     g: _DecodeGroup,
     scale: float,
+    values: _Values,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     kv_heads = g.block_rows.numel() // (batch * g.num_blocks)
+    row = k_blocks.shape[-1]
     # [KVH, b, L, D] -> [b, KVH, L, D]: each (L, D) slab stays contiguous for SDPA.
-    k = k_blocks.index_select(0, g.block_rows).view(kv_heads, batch, -1, head_dim)
-    v = v_blocks.index_select(0, g.block_rows).view(kv_heads, batch, -1, head_dim)
+    k = k_blocks.index_select(0, g.block_rows).view(kv_heads, batch, -1, row)
+    v = v_blocks.index_select(0, g.block_rows).view(kv_heads, batch, -1, row)
+    k, v = values(k, q.dtype), values(v, q.dtype)
     # NOTE: query heads of one KV group ride as G "query positions" of that KV head
     # (heads h = kv * G + g, as transformers' repeat_kv orders them).
     groups = num_heads // kv_heads
@@ -310,7 +349,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, kernels: CpuKernels) -> None:
+    def __init__(self, kernels: CpuKernels, kv_cache_dtype: str = "auto") -> None:
+        super().__init__(kv_cache_dtype)
         self.kernels = kernels
 
     def _decode_rows(

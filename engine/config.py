@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pdserve.engine.kv_quant import KVCacheDtype
 from pdserve.engine.speculative import SpeculativeConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -47,6 +48,15 @@ class EngineConfig(BaseModel):
         " On CPU torch's int8 matmul is vectorised for bfloat16 only, and compute-bound:"
         " measured about as fast as bf16 at batch 1 and half as fast at batch 32"
         " (benchmarks/quantization.py); there the memory is the gain.",
+    )
+    kv_cache_dtype: KVCacheDtype = Field(
+        default="auto",
+        description="auto: the KV cache in the model's dtype. int8 or fp8 (float8 e4m3): 8"
+        " bits per K/V value with one bfloat16 scale per token and KV head, computed from"
+        " that token alone when it is written (engine/kv_quant.py): about half the KV bytes"
+        " that each decode step reads and each handoff ships, about twice the blocks in the"
+        " same memory. A prefill and a decode worker must use the same (a transfer between"
+        " different ones is refused).",
     )
     num_threads: int | None = Field(
         default=1, ge=1, description="torch threads for this process; None leaves torch's default."

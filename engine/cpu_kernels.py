@@ -118,6 +118,12 @@ class CpuKernels:
             ]
             self._fns[dtype] = fn
         self.dtypes = frozenset(self._fns)
+        # KV cache formats (EngineConfig.kv_cache_dtype) the decode kernel reads
+        self.kv_cache_dtypes = frozenset({"auto"})
+
+    def takes(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> bool:
+        """Whether `paged_decode` runs for a model of `dtype` over a `kv_cache_dtype` cache."""
+        return dtype in self.dtypes and kv_cache_dtype in self.kv_cache_dtypes
 
     def paged_decode(
         self,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine import cpu_kernels
+from pdserve.engine import cpu_kernels, kv_quant
 from pdserve.engine.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
 from pdserve.engine.block_pool import BlockPool, KVEvent, KVEventKind
 from pdserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
@@ -77,30 +77,36 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
 
 
 def make_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype = torch.float32
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: str = "auto",
 ) -> AttentionBackend:
     """`auto`: Triton on CUDA when installed; on CPU the compiled decode kernel when it
-    builds here and takes `dtype` (`engine/cpu_kernels.py`), else the torch path."""
+    builds here and takes `dtype` and `kv_cache_dtype` (`engine/cpu_kernels.py`), else
+    the torch path."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
             from pdserve.engine.triton_backend import TritonAttentionBackend
         except ImportError:
             if name == "triton":
                 raise
-            return TorchAttentionBackend()
-        return TritonAttentionBackend()
+            return TorchAttentionBackend(kv_cache_dtype)
+        return TritonAttentionBackend(kv_cache_dtype)
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         kernels = cpu_kernels.load()
-        if kernels is not None and dtype in kernels.dtypes:
-            return CpuAttentionBackend(kernels)
+        if kernels is not None and kernels.takes(dtype, kv_cache_dtype):
+            return CpuAttentionBackend(kernels, kv_cache_dtype)
         if name == "cpu" and kernels is None:
             raise RuntimeError(
                 "attention_backend='cpu' needs the compiled CPU kernels, which could not be"
                 " built here (a C compiler is required; see the log for the error)"
             )
         if name == "cpu":
-            raise ValueError(f"the CPU decode kernel does not take {dtype}")
-    return TorchAttentionBackend()
+            raise ValueError(
+                f"the CPU decode kernel does not take {dtype} with kv_cache_dtype={kv_cache_dtype}"
+            )
+    return TorchAttentionBackend(kv_cache_dtype)
 
 
 class LLMEngine:
@@ -212,9 +218,17 @@ class LLMEngine:
         self.clock = time.perf_counter  # step wall times (tests inject a fake)
         self.runner = ModelRunner(
             self.model,
-            allocate_kv_cache(self.model, self.num_kv_blocks, config.block_size, self.device),
+            allocate_kv_cache(
+                self.model,
+                self.num_kv_blocks,
+                config.block_size,
+                self.device,
+                config.kv_cache_dtype,
+            ),
             config.block_size,
-            make_attention_backend(config.attention_backend, self.device, self.model.dtype),
+            make_attention_backend(
+                config.attention_backend, self.device, self.model.dtype, config.kv_cache_dtype
+            ),
             Sampler(config.seed, self.device),
             self.device,
             self.tp_workers,
@@ -249,10 +263,9 @@ class LLMEngine:
     def _block_bytes(self) -> int:
         """One KV block's bytes (on each rank: its KV heads' share)."""
         mc = self.model_config
-        if self._shard is not None:
-            per_head = mc.kv_bytes_per_token // mc.num_kv_heads * self._shard.num_kv_heads
-            return self.config.block_size * per_head * _itemsize(self.dtype) // 4
-        return self.config.block_size * mc.kv_bytes_per_token * _itemsize(self.dtype) // 4
+        kv_heads = mc.num_kv_heads if self._shard is None else self._shard.num_kv_heads
+        row = kv_quant.row_bytes(self.config.kv_cache_dtype, mc.head_dim, _itemsize(self.dtype))
+        return self.config.block_size * 2 * mc.num_layers * kv_heads * row
 
     def _size_kv_pool(self) -> tuple[int, int]:
         """(max_model_len, blocks) of a pool sized by the configuration alone."""
@@ -347,9 +360,13 @@ class LLMEngine:
         cfg = self.config
         return ModelRunner(
             self.model,
-            allocate_kv_cache(self.model, num_blocks, cfg.block_size, self.device),
+            allocate_kv_cache(
+                self.model, num_blocks, cfg.block_size, self.device, cfg.kv_cache_dtype
+            ),
             cfg.block_size,
-            make_attention_backend(cfg.attention_backend, self.device, self.model.dtype),
+            make_attention_backend(
+                cfg.attention_backend, self.device, self.model.dtype, cfg.kv_cache_dtype
+            ),
             Sampler(cfg.seed, self.device),
             self.device,
         )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine import kv_quant
 from pdserve.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -48,13 +49,21 @@ class StepResult:
 
 
 def allocate_kv_cache(
-    model: LlamaModel, num_blocks: int, block_size: int, device: torch.device
+    model: LlamaModel,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """All layers' KV cache as one tensor [layers, 2, blocks, kv_heads, block_size, D]
-    (tensor parallel: this rank's KV heads)."""
+    (tensor parallel: this rank's KV heads); an 8-bit cache as uint8 rows of D + 2 bytes
+    (engine/kv_quant.py)."""
     cfg = model.config
-    shape = (cfg.num_layers, 2, num_blocks, model.num_kv_heads, block_size, cfg.head_dim)
-    return torch.zeros(shape, dtype=model.dtype, device=device)
+    shape = (cfg.num_layers, 2, num_blocks, model.num_kv_heads, block_size)
+    if kv_quant.is_quantized(kv_cache_dtype):
+        row = kv_quant.row_bytes(kv_cache_dtype, cfg.head_dim, model.dtype.itemsize)
+        return torch.zeros((*shape, row), dtype=torch.uint8, device=device)
+    return torch.zeros((*shape, cfg.head_dim), dtype=model.dtype, device=device)
 
 
 def layer_views(kv_cache: torch.Tensor) -> list[KVCache]:

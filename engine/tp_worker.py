@@ -487,9 +487,13 @@ def _build_rank(
     model.tp = group
     runner = ModelRunner(
         model,
-        allocate_kv_cache(model, spec.num_kv_blocks, config.block_size, device),
+        allocate_kv_cache(
+            model, spec.num_kv_blocks, config.block_size, device, config.kv_cache_dtype
+        ),
         config.block_size,
-        make_attention_backend(config.attention_backend, device, model.dtype),
+        make_attention_backend(
+            config.attention_backend, device, model.dtype, config.kv_cache_dtype
+        ),
         Sampler(config.seed, device),
         device,
     )

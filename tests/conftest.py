@@ -47,7 +47,7 @@ CHECKPOINT_INIT_RANGE = 0.1
 QWEN2_BIAS_STD = 0.1
 
 MakeCheckpoint = Callable[..., Path]
-HFGreedy = Callable[[Path, list[list[int]], int], list[list[int]]]
+HFGreedy = Callable[..., list[list[int]]]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -225,12 +225,22 @@ def hf_greedy() -> HFGreedy:
 
     Runs without any eos (our requests set ignore_eos), in float32: the reference that
     every serving path's tokens must equal (docs/architecture.md, "The engine").
+    `kv_cache_dtype="int8"` or `"fp8"`: with every K and V rounded through that 8-bit
+    format (`engine/kv_quant.py`) before attention, the model an 8-bit KV cache serves.
     """
 
-    def generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(
+        model_dir: Path,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        kv_cache_dtype: str = "auto",
+    ) -> list[list[int]]:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        attn = "sdpa" if kv_cache_dtype == "auto" else _kv8_attention(kv_cache_dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=attn
+        ).eval()
         # ignore_eos on our side; on theirs, no eos at all (min_new_tokens would *mask* eos).
         model.generation_config.eos_token_id = None
         outs = []
@@ -247,6 +257,25 @@ def hf_greedy() -> HFGreedy:
         return outs
 
     return generate
+
+
+def _kv8_attention(kv_cache_dtype: str) -> str:
+    """The name of a `transformers` attention that rounds K and V through an 8-bit KV
+    format first (the whole cache each call: the rounding is idempotent, so tokens
+    rounded in an earlier step are unchanged), registered on first use."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from pdserve.engine.kv_quant import fake_quantize
+
+    name = f"pdserve_kv_{kv_cache_dtype}"
+
+    def attention(module: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
+        key, value = fake_quantize(key, kv_cache_dtype), fake_quantize(value, kv_cache_dtype)
+        return sdpa_attention_forward(module, query, key, value, *args, **kw)
+
+    AttentionInterface.register(name, attention)
+    return name
 
 
 # -- `pdserve up` as a subprocess ---------------------------------------------------------
