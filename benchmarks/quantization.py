@@ -1,9 +1,11 @@
-"""Weight-only int8 (`quantization="int8"`) against bf16 weights: decode speed and the
-quality it costs, in one run on one checkpoint.
+"""Weight-only int8 (`quantization="int8"`) and the 8-bit KV caches (`kv_cache_dtype`
+int8, fp8) against bf16: decode speed, the KV handoff, the KV pool, and the quality they
+cost, in one run on one checkpoint.
 
-    python -m pdserve.benchmarks.quantization [--model-size mid|tiny] [--variants int8]
-        [--sections speed quality] [--batches 1 32] [--steps 16] [--prompt-len 32]
-        [--threads 1] [--quality-prompts 8] [--quality-tokens 256] [--quality-temperature 1]
+    python -m pdserve.benchmarks.quantization [--model-size mid|tiny]
+        [--variants int8 kv-int8 kv-fp8] [--sections speed kv quality] [--batches 1 32]
+        [--steps 16] [--prompt-len 32] [--kv-context 2048] [--kv-batch 16] [--threads 1]
+        [--quality-prompts 8] [--quality-tokens 256] [--quality-temperature 1]
 
 The checkpoint is `engine_throughput.py`'s (`build_checkpoint`): a seeded random float32
 Llama with `transformers`' initialisation, by default its "mid" shape (hidden 1024, 8
@@ -19,6 +21,12 @@ baseline every ratio is taken against, measured in the same run.
   timed step each, so that other load on a shared machine falls on them alike; the share
   of the run's thread time spent waiting for a CPU (`engine_throughput.cpu_wait_since`)
   is printed with the table: near 0 the engines had their cores.
+- kv: per variant, the decode step time at `--kv-batch` sequences of `--kv-context`
+  tokens (where reading the KV is a large share of a step), the ratio to bf16; one
+  `--kv-context`-token request's KV handoff: the bytes of its blocks (codes and scales,
+  for an 8-bit cache) and the time from export to admitted on the other side over gRPC on
+  127.0.0.1 (export, send, claim, import; the same engine plays the decode side, as a
+  second request); and the blocks one GiB of KV memory holds (`LLMEngine.kv_block_bytes`).
 - quality: bf16 generates `--quality-tokens` tokens after each of `--quality-prompts`
   random prompts, sampled at `--quality-temperature` with a seed per prompt (greedy, 0,
   soon repeats a few tokens on a random model); every variant then reads those sequences
@@ -65,8 +73,11 @@ BASELINE = "bf16"
 VARIANTS: dict[str, dict[str, Any]] = {
     BASELINE: {},
     "int8": {"quantization": "int8"},
+    "kv-int8": {"kv_cache_dtype": "int8"},
+    "kv-fp8": {"kv_cache_dtype": "fp8"},
 }
-SECTIONS = ("speed", "quality")
+SECTIONS = ("speed", "kv", "quality")
+GIB = 1 << 30
 BLOCK_SIZE = 16
 MIB = 1 << 20
 
@@ -84,6 +95,15 @@ class SpeedRow:
 
 
 @dataclass(frozen=True)
+class KVRow:
+    variant: str
+    step_s: float  # median decode step at kv_batch x kv_context
+    handoff_bytes: int  # one kv_context-token request's KV blocks
+    handoff_s: float  # export -> admitted on the receiving side (median)
+    blocks_per_gib: int
+
+
+@dataclass(frozen=True)
 class QualityRow:
     variant: str
     positions: int
@@ -96,14 +116,19 @@ def base_config(args: argparse.Namespace) -> dict[str, Any]:
     largest batch of the speed section and a whole quality sequence."""
     per_seq = -(-(args.prompt_len + args.steps + 4) // BLOCK_SIZE)
     quality_len = args.quality_prompt_len + args.quality_tokens
+    kv_len = args.kv_context + args.steps + 8
     max_batch = max(args.batches)
+    blocks = [max_batch * per_seq, -(-quality_len // BLOCK_SIZE) * 8]
+    if "kv" in args.sections:  # the long batch, or a handoff's two copies of one prompt
+        blocks.append(max(args.kv_batch, 2) * -(-kv_len // BLOCK_SIZE))
     return {
         "dtype": "bfloat16",
         "num_threads": args.threads,
         "block_size": BLOCK_SIZE,
-        "num_kv_blocks": max(max_batch * per_seq, -(-quality_len // BLOCK_SIZE) * 8) + 8,
-        "max_num_seqs": max(max_batch, args.quality_prompts),
-        "max_model_len": max(args.prompt_len + args.steps + 8, quality_len),
+        "num_kv_blocks": max(blocks) + 8,
+        "max_num_seqs": max(max_batch, args.quality_prompts, args.kv_batch),
+        "max_model_len": max(args.prompt_len + args.steps + 8, quality_len, kv_len),
+        "max_num_batched_tokens": max(2048, args.kv_context),
         # sequence_logits writes the idle engine's first blocks: nothing may be cached there
         "enable_prefix_caching": False,
     }
@@ -169,6 +194,108 @@ def speed_table(rows: list[SpeedRow]) -> str:
     ]
     headers = ["variant", "batch", "step ms (median)", "tok/s", "vs bf16", "weights MiB"]
     return markdown_table([*headers, "weights vs bf16"], cells)
+
+
+# -- the KV cache: long-context steps, the handoff, the pool -----------------------------------
+
+
+def handoff_times(llm: LLM, prompt: list[int], repeats: int) -> tuple[int, float]:
+    """(bytes, median seconds) of `prompt`'s KV handoff: prefill (held), then export,
+    send over gRPC on 127.0.0.1, claim and import as another request of the same engine;
+    timed from the export to the import's return."""
+    import asyncio
+
+    from pdserve.kv_transfer import make_receiver, make_sender
+    from pdserve.kv_transfer.base import ReceiverConfig, make_header
+    from pdserve.kv_transfer.torch_payload import layout_of, payload_bytes, payload_tensor
+
+    engine = llm.engine
+    layout = layout_of(engine.runner.kv_cache, engine.config.kv_cache_dtype)
+    token = "bench"
+    prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    decode = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def body() -> tuple[int, list[float]]:
+        receiver = make_receiver("grpc", ReceiverConfig(cluster_token=token, layout=layout))
+        sender = make_sender("grpc")
+        address = await receiver.start()
+        times: list[float] = []
+        nbytes = 0
+        try:
+            for i in range(repeats):
+                rid = f"handoff-{i}"
+                engine.add_request(rid, prompt, prefill, hold_kv=True)
+                first = -1
+                while engine.has_unfinished:
+                    for out in engine.step():
+                        first = out.token_ids[0]
+                start = time.perf_counter()
+                export = engine.export_kv(rid)
+                payload = payload_bytes(export.wait())
+                receiver.expect(rid)
+                header = make_header(rid, "bench", layout, payload, token, first_token=first)
+                await sender.send(address, header, payload, timeout_s=60)
+                got = await receiver.claim(rid, timeout_s=60)
+                tensor = payload_tensor(got.payload, got.header.layout)
+                engine.add_prefilled_request(f"{rid}-d", prompt, first, decode, tensor)
+                times.append(time.perf_counter() - start)
+                nbytes = payload.size
+                got.release()
+                export.release()
+                engine.release_kv(rid)
+                while engine.has_unfinished:
+                    engine.step()
+        finally:
+            await sender.close()
+            await receiver.close()
+        return nbytes, times
+
+    nbytes, times = asyncio.run(body())
+    return nbytes, statistics.median(times)
+
+
+def measure_kv(llms: dict[str, LLM], args: argparse.Namespace) -> list[KVRow]:
+    times = decode_step_times(llms, args.kv_batch, args.kv_context, args.steps)
+    rng = random.Random(7)
+    prompt = [rng.randrange(MAX_PROMPT_ID) for _ in range(args.kv_context)]
+    rows = []
+    for name, llm in llms.items():
+        nbytes, seconds = handoff_times(llm, prompt, repeats=3)
+        blocks = GIB // llm.engine.kv_block_bytes
+        rows.append(KVRow(name, statistics.median(times[name]), nbytes, seconds, blocks))
+        print(f"  {name}: step {rows[-1].step_s * 1e3:.1f} ms, handoff {nbytes} B", flush=True)
+    return rows
+
+
+def kv_table(rows: list[KVRow], args: argparse.Namespace) -> str:
+    base = next(r for r in rows if r.variant == BASELINE)
+    cells = [
+        [
+            r.variant,
+            f"{r.step_s * 1e3:.1f}",
+            f"{base.step_s / r.step_s:.2f}x",
+            f"{r.handoff_bytes / MIB:.2f}",
+            f"{r.handoff_bytes / base.handoff_bytes:.3f}",
+            f"{r.handoff_s * 1e3:.1f}",
+            f"{base.handoff_s / r.handoff_s:.2f}x",
+            str(r.blocks_per_gib),
+            f"{r.blocks_per_gib / base.blocks_per_gib:.2f}x",
+        ]
+        for r in rows
+    ]
+    ctx = f"{args.kv_batch} x {args.kv_context}"
+    headers = [
+        "variant",
+        f"decode step ms at {ctx}",
+        "speed vs bf16",
+        f"handoff MiB ({args.kv_context} tokens)",
+        "bytes vs bf16",
+        "handoff ms",
+        "vs bf16",
+        "blocks per GiB",
+        "vs bf16",
+    ]
+    return markdown_table(headers, cells)
 
 
 # -- quality ----------------------------------------------------------------------------------
@@ -265,6 +392,7 @@ def measure_quality(llms: dict[str, LLM], args: argparse.Namespace) -> list[Qual
 def run(args: argparse.Namespace, model_dir: Path) -> None:
     config = base_config(args)
     speed: list[SpeedRow] = []
+    kv: list[KVRow] = []
     quality: list[QualityRow] = []
     with contextlib.ExitStack() as stack:
         llms: dict[str, LLM] = {}
@@ -276,19 +404,34 @@ def run(args: argparse.Namespace, model_dir: Path) -> None:
             speed, cpu_wait = measure_speed(llms, args)
             print("\n" + speed_table(speed))
             print(f"cpu-wait: {cpu_wait:.0%} of the speed section's runnable thread time\n")
+        if "kv" in args.sections:
+            clock = thread_cpu_ns()
+            kv = measure_kv(llms, args)
+            print("\n" + kv_table(kv, args))
+            print(f"cpu-wait: {cpu_wait_since(clock):.0%} of the kv section's thread time\n")
         if "quality" in args.sections:
             quality = measure_quality(llms, args)
             print(quality_table(quality))
-    print_summary(speed, quality)
+    print_summary(speed, kv, quality)
 
 
-def print_summary(speed: list[SpeedRow], quality: list[QualityRow]) -> None:
+def print_summary(speed: list[SpeedRow], kv: list[KVRow], quality: list[QualityRow]) -> None:
     base = {r.batch: r for r in speed if r.variant == BASELINE}
     print()
     for r in speed:
         if r.variant != BASELINE:
             ratio = r.tok_s / base[r.batch].tok_s
             print(f"{r.variant} vs {BASELINE} decode tok/s at batch {r.batch}: {ratio:.2f}x")
+    kv_base = next((r for r in kv if r.variant == BASELINE), None)
+    for k in kv:
+        if kv_base is not None and k.variant != BASELINE:
+            print(
+                f"{k.variant} vs {BASELINE}: long-context decode step"
+                f" {kv_base.step_s / k.step_s:.2f}x as fast, handoff bytes"
+                f" {k.handoff_bytes / kv_base.handoff_bytes:.3f}x, handoff"
+                f" time {k.handoff_s / kv_base.handoff_s:.2f}x, blocks per GiB"
+                f" {k.blocks_per_gib / kv_base.blocks_per_gib:.2f}x"
+            )
     for q in quality:
         if q.variant != BASELINE:
             print(
@@ -311,6 +454,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per batch")
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--kv-context", type=int, default=2048, help="kv section: tokens a row")
+    parser.add_argument("--kv-batch", type=int, default=16, help="kv section: decode rows")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     parser.add_argument("--quality-prompts", type=int, default=8)
     parser.add_argument("--quality-prompt-len", type=int, default=16)

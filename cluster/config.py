@@ -33,6 +33,7 @@ from pydantic import (
 from pdserve.engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     EngineConfig,
+    KVCacheDtype,
     LoadFormat,
     Quantization,
 )
@@ -256,6 +257,11 @@ class ClusterConfig(BaseModel):
     # "int8": the blocks' projections as int8 with a scale per row, in both roles
     # (EngineConfig.quantization); the embedding, LM head and norms stay in dtype.
     quantization: Quantization = "none"
+    # Both pools' KV cache format (EngineConfig.kv_cache_dtype): "auto" (the model's dtype),
+    # "int8" or "fp8" (8 bits per value and a bf16 scale per token and KV head: half the
+    # bytes per decode step and per handoff). One setting for the cluster: blocks cross only
+    # between workers of one format, and the prefix index refuses a worker of another.
+    kv_cache_dtype: KVCacheDtype = "auto"
     # The decode pool speculates (EngineConfig.speculative, engine/speculative.py):
     # "ngram:k=K[,n=N][,adaptive=on|off]", prompt lookup. The prefill pool samples one
     # token per request, so it has nothing to speculate; in colocated mode the one pool
@@ -518,6 +524,7 @@ class ClusterConfig(BaseModel):
             gpu_memory_utilization=self.worker_gpu_memory_utilization(),
             load_format=self.load_format,
             quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             speculative=self.speculative if role == "decode" else None,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
@@ -550,6 +557,8 @@ def _check_kv_pool(cfg: ClusterConfig, mc: ModelConfig, tp: int = 1) -> None:
     kv_heads = 1 if tp > mc.num_kv_heads else mc.num_kv_heads // tp
     per_token = mc.kv_bytes_per_token // mc.num_kv_heads * kv_heads
     block_bytes = cfg.block_size * per_token * _ITEMSIZE.get(dtype, 4) // 4
+    if cfg.kv_cache_dtype != "auto":  # engine/kv_quant.py: rows of head_dim + 2 bytes
+        block_bytes = cfg.block_size * 2 * mc.num_layers * kv_heads * (mc.head_dim + 2)
     if cfg.num_kv_blocks is not None:
         num_blocks, field = cfg.num_kv_blocks, "num_kv_blocks"
     else:

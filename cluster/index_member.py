@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
-from pdserve.cluster.prefix_index import PrefixIndex, WorkerInfo
+from pdserve.cluster.prefix_index import KVFormatMismatchError, PrefixIndex, WorkerInfo
 from pdserve.engine.block_pool import KVEvent
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,9 @@ class IndexMember:
         drain_events: Returns the block pool's events since the last call.
         snapshot: Returns every cached block as STORED events (drops pending events).
         heartbeat_s: Seconds between heartbeats; well under the index's lease.
+        kv_format: The format of this worker's KV blocks (KV cache dtype and block size);
+            the index refuses it while a live worker has another (start() raises
+            KVFormatMismatchError; a later re-registration logs it and retries each tick).
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class IndexMember:
         drain_events: EventsFn,
         snapshot: EventsFn,
         heartbeat_s: float,
+        kv_format: str = "",
     ) -> None:
         self.index = index
+        self.kv_format = kv_format
         self.worker_id = worker_id
         self.role = role
         self.address = address
@@ -99,6 +104,8 @@ class IndexMember:
                 await self._sync()
             except (RedisError, OSError) as exc:
                 logger.warning("prefix index unreachable (%s); will retry", exc)
+            except KVFormatMismatchError as exc:
+                logger.error("not placed: %s", exc)
 
     async def _sync(self, heartbeat: bool = True) -> None:
         # the load is read before taking the lock: a flush must not queue behind it
@@ -123,7 +130,10 @@ class IndexMember:
                 await self._register()
 
     async def _register(self) -> None:
-        worker = WorkerInfo(self.worker_id, self.role, self.address, load=await self._load())
+        load = await self._load()
+        worker = WorkerInfo(
+            self.worker_id, self.role, self.address, load=load, kv_format=self.kv_format
+        )
         generation = await self.index.register(worker)
         # The snapshot is taken after registering: whatever is cached from now on is
         # either in it or in a later event, so nothing published is missed.

@@ -7,7 +7,8 @@ round trip, how many leading blocks of a prompt's hash chain each live worker ho
 Redis schema, every key prefixed ``pdserve:{model_id}:``:
 
     block:{hash_hex}          SET  "{worker_id}:{generation}" of each worker holding the block
-    worker:{worker_id}        HASH role, address, generation, load fields; TTL = the lease
+    worker:{worker_id}        HASH role, address, generation, kv_format, load fields; TTL =
+                                   the lease
     workers                   SET  worker ids believed live (pruned lazily)
     generation                STRING counter; INCR gives every registration a new generation
     registrations             SET  "{worker_id}:{generation}" not yet reaped
@@ -26,6 +27,13 @@ check the generation atomically (Lua) and return False once it is stale: the wor
 register again and republish its whole cache. Dead entries are removed lazily by match()
 (on the blocks it walks) and fully by reap() (periodically, or deregister()).
 
+KV format: a worker registers the format of its KV blocks (`WorkerInfo.kv_format`, e.g.
+"int8/16": the KV cache dtype and block size). Blocks cross only between workers of one
+format, so register() refuses a worker whose format differs from any live worker's of
+the model (`KVFormatMismatchError`), atomically with the registration: a prefill pool
+with fp8 KV and a decode pool with bf16 KV never both join one cluster. Once every
+worker of the old format is gone (a lease lapses within `lease_s`), a new format may.
+
 NOTE: scripts build worker keys from a prefix instead of declaring them in KEYS, because
 match() discovers workers inside the script. That needs a standalone Redis (or one
 primary), as docs/prefix-index.md says; Redis Cluster would need hash tags.
@@ -42,18 +50,35 @@ import redis.asyncio as aioredis
 from pdserve.engine.block_pool import KVEvent, KVEventKind
 from pdserve.engine.hashing import BlockHash
 
-__all__ = ["ROLES", "MatchResult", "PrefixIndex", "ReapResult", "WorkerInfo"]
+__all__ = [
+    "ROLES",
+    "KVFormatMismatchError",
+    "MatchResult",
+    "PrefixIndex",
+    "ReapResult",
+    "WorkerInfo",
+]
 
 ROLES = ("prefill", "decode")
-_RESERVED_FIELDS = frozenset({"role", "address", "generation"})
+_RESERVED_FIELDS = frozenset({"role", "address", "generation", "kv_format"})
 _REAP_BATCH = 512
 
 # KEYS: generation counter, workers set, registrations set, worker key.
-# ARGV: worker_id, lease_ms, field, value, ... (role, address, load).
+# ARGV: worker_id, lease_ms, kv_format, worker key prefix, field, value, ... (role, address,
+# kv_format, load). Returns the generation, or {other worker id, its kv_format} when a live
+# worker (other than this id) registered another non-empty format.
 _REGISTER_LUA = """
+if ARGV[3] ~= '' then
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+    if id ~= ARGV[1] then
+      local other = redis.call('HGET', ARGV[4] .. id, 'kv_format')
+      if other and other ~= '' and other ~= ARGV[3] then return {id, other} end
+    end
+  end
+end
 local gen = redis.call('INCR', KEYS[1])
 redis.call('DEL', KEYS[4])
-redis.call('HSET', KEYS[4], 'generation', gen, unpack(ARGV, 3))
+redis.call('HSET', KEYS[4], 'generation', gen, unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[4], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1] .. ':' .. gen)
@@ -142,7 +167,9 @@ class WorkerInfo:
 
     generation is 0 until registered; register() ignores it and returns the new one.
     load holds integer gauges (e.g. queued_prefill_tokens, running, free_blocks,
-    total_blocks); their names must not be role, address or generation.
+    total_blocks); their names must not be role, address, generation or kv_format.
+    kv_format: the format of the worker's KV blocks ("" = not checked; see the module
+    docstring).
     """
 
     worker_id: str
@@ -150,6 +177,11 @@ class WorkerInfo:
     address: str
     generation: int = 0
     load: dict[str, int] = field(default_factory=dict)
+    kv_format: str = ""
+
+
+class KVFormatMismatchError(ValueError):
+    """A worker's KV format differs from a live worker's of the same model."""
 
 
 class MatchResult(NamedTuple):
@@ -205,6 +237,8 @@ class PrefixIndex:
 
         Raises:
             ValueError: Empty worker_id, unknown role, or a bad load field.
+            KVFormatMismatchError: A live worker of this model registered another
+                `kv_format`; nothing was written.
 
         Side effects: a previous registration of the same id becomes stale at once, so
         none of its block entries count until the worker republishes.
@@ -213,11 +247,22 @@ class PrefixIndex:
             raise ValueError("worker_id must be non-empty")
         if worker.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {worker.role!r}")
-        fields = ["role", worker.role, "address", worker.address, *_load_args(worker.load)]
+        fields: list[str | int] = ["role", worker.role, "address", worker.address]
+        fields += ["kv_format", worker.kv_format, *_load_args(worker.load)]
         keys = [self.key(s) for s in ("generation", "workers", "registrations")]
         keys.append(self._worker_key(worker.worker_id))
-        generation = await self._register(keys, [worker.worker_id, self.lease_ms, *fields])
-        return int(generation)
+        args: list[str | int] = [worker.worker_id, self.lease_ms, worker.kv_format]
+        result = await self._register(keys, [*args, self.key("worker:"), *fields])
+        if isinstance(result, list):
+            other, other_format = (_text(v) for v in result)
+            raise KVFormatMismatchError(
+                f"worker {worker.worker_id} ({worker.role}) has KV format"
+                f" {worker.kv_format!r}, but live worker {other} of model {self.model_id!r}"
+                f" has {other_format!r}: prefill and decode workers exchange KV blocks, so"
+                " every worker of a model must use the same KV cache dtype and block size"
+                " (pdserve up --kv-cache-dtype, --block-size)"
+            )
+        return int(result)
 
     async def heartbeat(self, worker_id: str, generation: int, load: Mapping[str, int]) -> bool:
         """Renews the lease and updates load fields, atomically; one round trip.
@@ -371,6 +416,7 @@ def _match_result(row: Sequence[Any]) -> MatchResult:
         role=fields.pop("role"),
         address=fields.pop("address"),
         generation=int(fields.pop("generation")),
+        kv_format=fields.pop("kv_format", ""),
         load={name: int(value) for name, value in fields.items()},
     )
     return MatchResult(worker, int(matched_blocks))

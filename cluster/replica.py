@@ -124,8 +124,19 @@ class WorkerReplica:
             drain,
             self.engine.kv_snapshot,
             self.config.heartbeat_s,
+            kv_format=self.kv_format,
         )
         await self.member.start()
+
+    @property
+    def kv_format(self) -> str:
+        """What the index checks every worker of the model agrees on: the format of the KV
+        blocks it sends or takes (KV cache dtype, block size); "float32/16", "int8/16"."""
+        engine = self.engine.engine
+        dtype: str = engine.config.kv_cache_dtype
+        if dtype == "auto":
+            dtype = str(engine.dtype).removeprefix("torch.")
+        return f"{dtype}/{engine.config.block_size}"
 
     async def flush_events(self) -> None:
         """Publish the pending KV events now (a request's blocks, before its last item

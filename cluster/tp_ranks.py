@@ -92,7 +92,7 @@ class TPRank:
 
     def _on_built(self, runner: Any, shard: Any) -> None:
         self.own = shard.kv_head_range
-        self.layout = layout_of(runner.kv_cache)
+        self.layout = layout_of(runner.kv_cache, runner.backend.kv_cache_dtype)
         self._built.set()
 
     async def start_receiver(self, transport: str, config: dict[str, Any], tls: Any) -> str:

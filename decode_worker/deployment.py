@@ -74,7 +74,7 @@ class DecodeServer(WorkerReplica):
         engine = self.engine.engine
         receiver_config = ReceiverConfig(
             cluster_token=cfg.cluster_token,
-            layout=layout_of(engine.runner.kv_cache),
+            layout=layout_of(engine.runner.kv_cache, engine.config.kv_cache_dtype),
             kv_heads=engine.kv_head_range,
             host=resolve_transfer_host(cfg.transfer_host),
             max_lease_s=max(cfg.kv_wait_timeout_s, 1.0),

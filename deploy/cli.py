@@ -122,6 +122,7 @@ def _up(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         speculative=args.speculative,
         tpot_target_ms=args.tpot_target_ms,
         enforce_eager=args.enforce_eager,
@@ -352,6 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="int8: the transformer blocks' linear weights as int8 with a scale per output "
         "row (half the bytes of bf16 per decode step); use with --dtype bfloat16 on CPU",
+    )
+    up.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8", "fp8"],
+        default="auto",
+        help="the KV cache of both pools: auto (the model's dtype), or int8 / fp8 (e4m3):"
+        " 8 bits per value and a bf16 scale per token and KV head, about half the KV bytes"
+        " per decode step and per handoff, twice the blocks in the same memory",
     )
     up.add_argument(
         "--speculative",

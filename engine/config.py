@@ -6,13 +6,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pdserve.engine.kv_quant import KVCacheDtype
 from pdserve.engine.speculative import SpeculativeConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton"]
 LoadFormat = Literal["auto", "dummy"]
 Quantization = Literal["none", "int8"]
+# the model's dtype, or an 8-bit format (engine/kv_quant.py; not imported here: no torch)
+KVCacheDtype = Literal["auto", "int8", "fp8"]
 # What `gpu_memory_utilization=None` means on CUDA (vLLM's default).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 

@@ -41,11 +41,8 @@ Plain torch here; the C decode kernel (engine/csrc/paged_decode.c) and the Trito
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-KVCacheDtype = Literal["auto", "int8", "fp8"]
 QUANTIZED: tuple[str, ...] = ("int8", "fp8")
 SCALE_BYTES = 2  # one bfloat16 per row
 SCALE_DTYPE = torch.bfloat16

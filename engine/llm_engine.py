@@ -260,7 +260,8 @@ class LLMEngine:
             max_len = mc.sliding_window
         return max_len
 
-    def _block_bytes(self) -> int:
+    @property
+    def kv_block_bytes(self) -> int:
         """One KV block's bytes (on each rank: its KV heads' share)."""
         mc = self.model_config
         kv_heads = mc.num_kv_heads if self._shard is None else self._shard.num_kv_heads
@@ -270,7 +271,7 @@ class LLMEngine:
     def _size_kv_pool(self) -> tuple[int, int]:
         """(max_model_len, blocks) of a pool sized by the configuration alone."""
         cfg = self.config
-        max_len, block_bytes = self._context_len(), self._block_bytes()
+        max_len, block_bytes = self._context_len(), self.kv_block_bytes
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif cfg.kv_cache_memory_gb is not None:
@@ -334,7 +335,7 @@ class LLMEngine:
             total_bytes=start.total_bytes,
             peak_torch_bytes=peak - start.torch_allocated_bytes - scratch_bytes,
             non_torch_bytes=max(end.non_torch_bytes - start.non_torch_bytes, 0),
-            block_bytes=self._block_bytes(),
+            block_bytes=self.kv_block_bytes,
             step_tokens=cfg.max_num_batched_tokens,
         )
         # Never more than the running sequences can use: each block costs the block pool

@@ -25,6 +25,13 @@ class TritonAttentionBackend(AttentionBackend):
     wants_prefill_batch = True
     uses_triton_ops = True  # the model's norms and rotary run in kernels/ too
 
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
+        if kv_cache_dtype != "auto":  # the 8-bit kernels are not built yet
+            raise ValueError(
+                f"the Triton attention backend does not take kv_cache_dtype={kv_cache_dtype}"
+            )
+        self.kv_cache_dtype = kv_cache_dtype
+
     def forward(
         self,
         q: torch.Tensor,  # [T, H, D]

@@ -68,6 +68,10 @@ from pdserve.kv_transfer.errors import (
 from pdserve.protos import kv_transfer_pb2 as pb
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# 8-bit KV formats (engine/kv_quant.py): a row (a token of one KV head) is head_dim one-byte
+# codes and a 2-byte scale. A receiver takes only its own format: int8 and fp8 rows have
+# the same size but do not mean the same values.
+QUANTIZED_ROW_EXTRA = {"int8": 2, "fp8": 2}
 _EXPIRED_KEPT = 4096  # expired request ids a receiver remembers for their late claim
 Payload = bytes | bytearray | memoryview | np.ndarray
 HeadRange = tuple[int, int]  # KV heads [start, end), the model's global head indices
@@ -84,13 +88,22 @@ class KVLayout:
     dtype: str
 
     def __post_init__(self) -> None:
-        if self.dtype not in ITEMSIZE:
-            raise ValueError(f"unsupported KV dtype {self.dtype!r} (one of {sorted(ITEMSIZE)})")
+        if self.dtype not in ITEMSIZE and self.dtype not in QUANTIZED_ROW_EXTRA:
+            known = sorted([*ITEMSIZE, *QUANTIZED_ROW_EXTRA])
+            raise ValueError(f"unsupported KV dtype {self.dtype!r} (one of {known})")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token of one KV head's K (or V): head_dim values, or an 8-bit
+        format's head_dim codes and their scale."""
+        if self.dtype in QUANTIZED_ROW_EXTRA:
+            return self.head_dim + QUANTIZED_ROW_EXTRA[self.dtype]
+        return self.head_dim * ITEMSIZE[self.dtype]
 
     @property
     def slab_bytes(self) -> int:
         """Bytes of one block of one layer's K (or V)."""
-        return self.num_kv_heads * self.block_size * self.head_dim * ITEMSIZE[self.dtype]
+        return self.num_kv_heads * self.block_size * self.row_bytes
 
     @property
     def block_bytes(self) -> int:

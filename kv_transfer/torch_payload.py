@@ -7,16 +7,25 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from pdserve.kv_transfer.base import HeadRange, KVLayout, ReceivedKV
+from pdserve.kv_transfer.base import QUANTIZED_ROW_EXTRA, HeadRange, KVLayout, ReceivedKV
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
-def layout_of(kv_cache: torch.Tensor) -> KVLayout:
-    """Layout of an engine's cache [layers, 2, blocks, kv_heads, block_size, head_dim]."""
-    num_layers, _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
-    return KVLayout(num_layers, num_kv_heads, head_dim, block_size, DTYPE_NAMES[kv_cache.dtype])
+def layout_of(kv_cache: torch.Tensor, kv_cache_dtype: str = "auto") -> KVLayout:
+    """Layout of an engine's cache [layers, 2, blocks, kv_heads, block_size, head_dim],
+    or of an 8-bit one (`kv_cache_dtype` int8 or fp8: uint8 rows of head_dim + 2 bytes,
+    engine/kv_quant.py)."""
+    num_layers, _, _, num_kv_heads, block_size, row = kv_cache.shape
+    if kv_cache_dtype in QUANTIZED_ROW_EXTRA:
+        if kv_cache.dtype != torch.uint8:
+            raise ValueError(f"a {kv_cache_dtype} KV cache is uint8 rows, not {kv_cache.dtype}")
+        head_dim = row - QUANTIZED_ROW_EXTRA[kv_cache_dtype]
+        return KVLayout(num_layers, num_kv_heads, head_dim, block_size, kv_cache_dtype)
+    if kv_cache_dtype != "auto" or kv_cache.dtype not in DTYPE_NAMES:
+        raise ValueError(f"no KV layout for a {kv_cache.dtype} cache of {kv_cache_dtype!r}")
+    return KVLayout(num_layers, num_kv_heads, row, block_size, DTYPE_NAMES[kv_cache.dtype])
 
 
 def payload_bytes(payload: torch.Tensor) -> np.ndarray:
@@ -34,15 +43,18 @@ def payload_bytes(payload: torch.Tensor) -> np.ndarray:
 
 
 def payload_tensor(data: np.ndarray, layout: KVLayout) -> torch.Tensor:
-    """Received bytes as [layers, 2, n, kv_heads, block_size, head_dim], without a copy.
+    """Received bytes as [layers, 2, n, kv_heads, block_size, head_dim] (an 8-bit layout:
+    uint8 [..., block_size, head_dim + 2]), without a copy.
 
     The tensor is on CPU over `data` (pageable memory): the engine's import copies it into
     its cache synchronously, so `data` may be released once the import returns.
     """
     num_blocks = data.size // layout.block_bytes
     shape = (layout.num_layers, 2, num_blocks, layout.num_kv_heads, layout.block_size)
-    flat = torch.from_numpy(data).view(DTYPES[layout.dtype])
-    return flat.view(*shape, layout.head_dim)
+    flat = torch.from_numpy(data)
+    if layout.dtype in QUANTIZED_ROW_EXTRA:  # uint8 rows, as the 8-bit cache holds them
+        return flat.view(*shape, layout.row_bytes)
+    return flat.view(DTYPES[layout.dtype]).view(*shape, layout.head_dim)
 
 
 def part_layout(layout: KVLayout, kv_heads: HeadRange) -> KVLayout:

@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from pdserve.cluster.index_member import IndexMember
-from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.prefix_index import KVFormatMismatchError, PrefixIndex, WorkerInfo
 from pdserve.deploy.redis_server import free_port
 from pdserve.engine.block_pool import KVEvent, KVEventKind
 from pdserve.engine.hashing import BlockHash, hash_block_chain, hash_namespace
@@ -122,3 +122,44 @@ def test_redis_down_is_logged_and_never_raised(caplog: pytest.LogCaptureFixture)
 
     asyncio.run(run())
     assert "unreachable" in caplog.text
+
+
+def test_a_member_of_another_kv_format_fails_to_start_and_is_never_placed(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker whose KV format differs from a live worker's fails at start (the replica
+    does not come up); one refused later (re-registering after its lease lapsed while a
+    worker of another format joined) logs an error each tick and stays out of placement."""
+
+    async def run() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex(client, MODEL, lease_s=30.0)
+        try:
+            await index.register(WorkerInfo("w0", "prefill", "p:1", kv_format="int8/4"))
+            worker = FakeWorker()
+            refused = IndexMember(
+                index, "w1", "decode", "d:1", worker.load, worker.drain, worker.snapshot,
+                0.05, kv_format="bfloat16/4",
+            )  # fmt: skip
+            with pytest.raises(KVFormatMismatchError, match="same KV cache dtype"):
+                await refused.start()
+            assert await matched(index) == -1 and refused.generation is None
+            # a member that registered first, then lost its lease to a format change
+            late = IndexMember(
+                index, "w1", "decode", "d:1", worker.load, worker.drain, worker.snapshot,
+                0.05, kv_format="int8/4",
+            )  # fmt: skip
+            await late.start()
+            assert await matched(index) == 0
+            late.kv_format = "bfloat16/4"  # as if restarted with another format
+            assert await index.deregister("w1")
+            with caplog.at_level(logging.ERROR, logger="pdserve.cluster.index_member"):
+                async with asyncio.timeout(10):
+                    while "not placed" not in caplog.text:
+                        await asyncio.sleep(0.05)
+            assert await matched(index) == -1
+            await late.stop()
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())

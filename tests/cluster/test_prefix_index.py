@@ -17,7 +17,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from pdserve.cluster.prefix_index import PrefixIndex, ReapResult, WorkerInfo
+from pdserve.cluster.prefix_index import (
+    KVFormatMismatchError,
+    PrefixIndex,
+    ReapResult,
+    WorkerInfo,
+)
 from pdserve.engine.block_pool import KVEvent, KVEventKind
 from pdserve.engine.hashing import BlockHash, hash_block_chain, hash_namespace
 
@@ -287,3 +292,32 @@ def _members(raw: redis.Redis, index: PrefixIndex) -> set[str]:
     for key in raw.scan_iter(index.key("block:*")):
         members.update(str(m) for m in raw.smembers(key))  # decoded replies
     return members
+
+
+def test_a_worker_of_another_kv_format_is_refused_until_the_others_are_gone(
+    redis_url: str,
+) -> None:
+    """Blocks cross only between workers of one KV format: while a live worker has
+    "bfloat16/4", one with "fp8/4" is refused (nothing written, the error names both);
+    once the first deregisters, the new format registers. An unchecked worker ("")
+    never conflicts, and a worker may re-register under its own id."""
+
+    async def body() -> None:
+        async with open_index(redis_url) as index:
+            bf16 = WorkerInfo("P", "prefill", "p:1", kv_format="bfloat16/4")
+            fp8 = WorkerInfo("D", "decode", "d:1", kv_format="fp8/4")
+            gen = await index.register(bf16)
+            assert await index.register(bf16) > gen  # its own earlier registration: fine
+            with pytest.raises(
+                KVFormatMismatchError, match=r"'fp8/4'.*live worker P.*'bfloat16/4'"
+            ):
+                await index.register(fp8)
+            assert [w.worker_id for w in await index.live_workers()] == ["P"]
+            assert (await index.live_workers())[0].kv_format == "bfloat16/4"
+            await index.register(WorkerInfo("X", "decode", "x:1"))  # unchecked
+            assert await index.deregister("P")
+            await index.register(fp8)
+            formats = {w.worker_id: w.kv_format for w in await index.live_workers()}
+            assert formats == {"D": "fp8/4", "X": ""}
+
+    asyncio.run(body())

@@ -1,5 +1,9 @@
 """Prefill and decode pools with different tensor parallelism, end to end.
 
+Two of the cases run an 8-bit KV cache (`--kv-cache-dtype int8`, `fp8`) in both pools:
+their tokens must equal `transformers`' with K and V rounded the same way, and the
+handoff ships the 8-bit rows with their scales, rank to rank.
+
 `pdserve up --prefill-tp N --decode-tp M` on a tiny float32 checkpoint with 2 KV heads,
 both transports, through the official client: every answer equals `transformers`'
 greedy tokens; the KV crossed rank to rank exactly once (bytes counted = blocks sent x
@@ -30,12 +34,15 @@ import pytest
 BLOCK = 8
 MAX_TOKENS = 6
 STREAM_TOKENS = 300
-CASES = {  # transport, prefill TP, decode TP, decode replicas
-    "grpc-p2-d1": ("grpc", 2, 1, 1),
-    "ucx-p2-d1": ("ucx", 2, 1, 1),
-    "ucx-p1-d2": ("ucx", 1, 2, 1),
-    "grpc-p1-d2, a rank killed": ("grpc", 1, 2, 2),
+CASES = {  # transport, prefill TP, decode TP, decode replicas, KV cache dtype
+    "grpc-p2-d1-int8kv": ("grpc", 2, 1, 1, "int8"),
+    "ucx-p2-d1": ("ucx", 2, 1, 1, "auto"),
+    "ucx-p1-d2-fp8kv": ("ucx", 1, 2, 1, "fp8"),
+    "grpc-p1-d2, a rank killed": ("grpc", 1, 2, 2, "auto"),
 }
+# Bytes of one token of one KV head (head_dim 16): float32 values, or the 8-bit formats'
+# 16 codes and a 2-byte scale (engine/kv_quant.py).
+ROW_BYTES = {"auto": 16 * 4, "int8": 16 + 2, "fp8": 16 + 2}
 
 
 def prompts() -> list[list[int]]:
@@ -50,10 +57,11 @@ def prompts() -> list[list[int]]:
 def test_pools_of_different_tensor_parallelism(
     case: str, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any, api: Any
 ) -> None:
-    transport, prefill_tp, decode_tp, decode_replicas = CASES[case]
+    transport, prefill_tp, decode_tp, decode_replicas, kv_dtype = CASES[case]
     model_dir = Path(make_checkpoint(num_heads=4, num_kv_heads=2, max_position_embeddings=512))
-    want = hf_greedy(model_dir, prompts(), MAX_TOKENS)
+    want = hf_greedy(model_dir, prompts(), MAX_TOKENS, kv_cache_dtype=kv_dtype)
     flags = (
+        *("--kv-cache-dtype", kv_dtype),
         *("--mode", "disagg", "--transport", transport),
         *("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)),
         *("--prefill-replicas", "1", "--decode-replicas", str(decode_replicas)),
@@ -68,8 +76,10 @@ def test_pools_of_different_tensor_parallelism(
         assert api.local_prefills(url) == {}, f"{case}: a decode worker prefilled"
         blocks = api.metric(url, "pdserve_kv_transfer_blocks_total")
         sent = api.metric(url, "pdserve_kv_transfer_bytes_total")
-        # one block of every layer, K and V, both KV heads: 2 x 2 x 2 x 8 x 16 x 4 bytes
-        assert blocks > 0 and sent == blocks * 2 * 2 * 2 * BLOCK * 16 * 4, (blocks, sent)
+        # one block of every layer, K and V, both KV heads: 2 x 2 x 2 x 8 rows (an 8-bit
+        # cache ships its codes and scales: 18 bytes a row against float32's 64)
+        row = ROW_BYTES[kv_dtype]
+        assert blocks > 0 and sent == blocks * 2 * 2 * 2 * BLOCK * row, (blocks, sent)
         workers = api.get_json(f"{url}/workers")["workers"]
         tp_workers = [w for w in workers if "tensor_parallel" in w]
         tp_role = "prefill" if prefill_tp > 1 else "decode"

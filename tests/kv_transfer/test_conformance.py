@@ -32,9 +32,15 @@ def random_payload(layout: KVLayout, num_blocks: int, seed: int = 0) -> np.ndarr
     return rng.integers(0, 256, num_blocks * layout.block_bytes, dtype=np.uint8)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("num_bytes", [1, 1 << 20, 64 << 20], ids=["1block", "1MiB", "64MiB"])
-def test_round_trip_is_byte_exact(transport: Any, dtype: str, num_bytes: int) -> None:
+_SIZES = {"1block": 1, "1MiB": 1 << 20, "64MiB": 64 << 20}
+# every size for the model dtypes; the 8-bit formats (rows of head_dim + 2 bytes) once each
+_ROUND_TRIPS = [(d, n) for n in _SIZES for d in ("float32", "float16", "bfloat16")]
+_ROUND_TRIPS += [("int8", "1MiB"), ("fp8", "1block")]
+
+
+@pytest.mark.parametrize(("dtype", "size"), _ROUND_TRIPS, ids=[f"{n}-{d}" for d, n in _ROUND_TRIPS])
+def test_round_trip_is_byte_exact(transport: Any, dtype: str, size: str) -> None:
+    num_bytes = _SIZES[size]
     layout = transport.layout(dtype)
     num_blocks = max(1, num_bytes // layout.block_bytes)
     payload = random_payload(layout, num_blocks)
@@ -99,10 +105,11 @@ async def _refused(
     num_blocks: int = 3,
     token: str | None = None,
     layout_dtype: str | None = None,
+    receiver_dtype: str = "bfloat16",
     expect: bool = True,
 ) -> tuple[TransferError, BaseException | None, int]:
     """Push one refused transfer; return (sender's error, claim's error, buffered bytes)."""
-    layout = transport.layout("bfloat16")
+    layout = transport.layout(receiver_dtype)
     send_layout = transport.layout(layout_dtype) if layout_dtype else layout
     payload = random_payload(send_layout, num_blocks)
     receiver = transport.make_receiver(transport.config(layout))
@@ -161,6 +168,18 @@ def test_wrong_cluster_token_is_refused(transport: Any) -> None:
 def test_layout_mismatch_is_refused(transport: Any) -> None:
     sent, _, buffered = transport.run(_refused(transport, layout_dtype="float32"))
     assert isinstance(sent, LayoutMismatchError)
+    assert buffered == 0
+
+
+@pytest.mark.parametrize(("sent", "taken"), [("int8", "fp8"), ("fp8", "bfloat16")])
+def test_an_8bit_kv_format_is_refused_by_a_receiver_of_another(
+    transport: Any, sent: str, taken: str
+) -> None:
+    """int8 and fp8 rows have the same size (head_dim codes + a 2-byte scale) but not the
+    same values: a receiver takes only its own format, checked before any byte lands."""
+    assert transport.layout("int8").block_bytes == transport.layout("fp8").block_bytes
+    error, _, buffered = transport.run(_refused(transport, layout_dtype=sent, receiver_dtype=taken))
+    assert isinstance(error, LayoutMismatchError) and sent in str(error)
     assert buffered == 0
 
 
