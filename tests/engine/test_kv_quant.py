@@ -73,6 +73,8 @@ MODES: dict[str, dict[str, Any]] = {
     "torch": {"attention_backend": "torch"},
     "cpu-kernel": {"attention_backend": "auto"},
     "chunked": {"attention_backend": "torch", "max_num_batched_tokens": 8, "block_size": 4},
+    # rejected proposals' rows are rewritten; each row's scale is its own, so the tokens hold
+    "speculative": {"attention_backend": "torch", "speculative": "ngram:k=3,n=1,adaptive=off"},
 }
 
 
@@ -89,6 +91,9 @@ def test_greedy_tokens_equal_transformers_with_the_same_rounding(
     assert [o.token_ids for o in outs] == references[kv_dtype]
     if mode != "chunked":  # prompts 1 and 2 reuse prompt 0's two full blocks
         assert [o.num_cached_tokens for o in outs[:3]] == [0, 32, 32]
+    if mode == "speculative":
+        stats = llm.engine.spec_stats()
+        assert stats.proposed_tokens > stats.accepted_tokens  # rejected rows were rewritten
     llm.engine.block_pool.check_no_leaks()
 
 
