@@ -174,6 +174,7 @@ class WorkerReplica:
             "role": self.role,
             "generation": generation or 0,
             "pid": os.getpid(),
+            "kv_format": self.kv_format,
         }
         if self.rank_launcher is not None:
             out["tensor_parallel"] = await self.engine.call(_parallel_load)

@@ -81,6 +81,8 @@ def test_pools_of_different_tensor_parallelism(
         row = ROW_BYTES[kv_dtype]
         assert blocks > 0 and sent == blocks * 2 * 2 * 2 * BLOCK * row, (blocks, sent)
         workers = api.get_json(f"{url}/workers")["workers"]
+        kv_format = f"{'float32' if kv_dtype == 'auto' else kv_dtype}/{BLOCK}"
+        assert {w["kv_format"] for w in workers} == {kv_format}, workers
         tp_workers = [w for w in workers if "tensor_parallel" in w]
         tp_role = "prefill" if prefill_tp > 1 else "decode"
         assert [w["role"] for w in tp_workers] == [tp_role] * (
