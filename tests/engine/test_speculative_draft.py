@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 import torch
 from pydantic import ValidationError
-from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.draft import DraftProposer
@@ -43,26 +42,6 @@ def make_prompts(seed: int = 0) -> list[list[int]]:
     return [shared + ids(7), ids(1), ids(45), shared + ids(30), ids(3) * 5, ids(17)]
 
 
-def first_layers(model_dir: Path, out: Path, layers: int) -> Path:
-    """The checkpoint cut to its first `layers` layers (embedding, norm and LM head kept):
-    a draft that agrees with the target often but not always."""
-    out.mkdir(parents=True, exist_ok=True)
-    for f in model_dir.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copyfile(f, out / f.name)
-    tensors = load_file(model_dir / "model.safetensors")
-    keep = {
-        k: v
-        for k, v in tensors.items()
-        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
-    }
-    save_file(keep, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["num_hidden_layers"] = layers
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 @pytest.fixture(scope="module")
 def target(make_checkpoint: Any, hf_greedy: Any) -> tuple[Path, list[list[int]]]:
     model_dir = make_checkpoint()
@@ -71,7 +50,7 @@ def target(make_checkpoint: Any, hf_greedy: Any) -> tuple[Path, list[list[int]]]
 
 @pytest.fixture(scope="module")
 def drafts(
-    make_checkpoint: Any, target: tuple[Path, list[list[int]]], tmp_path_factory: Any
+    make_checkpoint: Any, make_draft: Any, target: tuple[Path, list[list[int]]]
 ) -> dict[str, Path]:
     model_dir, _ = target
     return {
@@ -79,7 +58,7 @@ def drafts(
         "small": make_checkpoint(
             hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=1, intermediate_size=64, seed=1
         ),
-        "first-layer": first_layers(model_dir, tmp_path_factory.mktemp("draft") / "l1", 1),
+        "first-layer": make_draft(model_dir, 1),
         "same": model_dir,
     }
 
