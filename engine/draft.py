@@ -9,9 +9,11 @@ the batch: one catch-up forward over every speculating sequence's tokens the dra
 the first proposals by argmax, then one decode forward per further proposal, each
 writing the previous proposal's KV into the slot the scheduler reserved for it.
 
-The proposals stay on the device between forwards (each forward's input is the previous
-one's argmax, indexed there); the host reads them once per step, at the end, which is
-the one synchronisation the scheduler needs (it schedules the verify rows from them).
+Every forward's inputs (positions, slots, block tables: all known on the host before
+any runs) are built and copied to the device first; the proposals stay on the device
+between forwards (each forward's input is the previous one's argmax, indexed there), and
+the host reads them once per step, at the end: the one synchronisation the scheduler
+needs (it schedules the verify rows from them). The forwards run back to back.
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ class _Written:
     upto: int
     proposed: tuple[int, ...]
     preemptions: int
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One draft forward's inputs, on the device (see `DraftProposer._pass`)."""
+
+    input_ids: torch.Tensor | None  # None: the previous proposals of `targets`
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor | None  # rows whose logits propose; None: every row
+    targets: torch.Tensor  # the sequences (batch indices) those rows propose for
+    column: int  # which proposal they make
 
 
 @dataclass(frozen=True)
@@ -118,17 +132,22 @@ class DraftProposer:
         seqs = [requests[i][0] for i in order]
         wants = [requests[i][1] for i in order]
         assert min(wants) >= 1
-        proposals = torch.zeros(len(seqs), max(wants), dtype=torch.int64, device=self.device)
-        forwards = 0
-        at = [self.valid_tokens(seq) for seq in seqs]
-        pending = list(range(len(seqs)))
-        while pending:
-            pending = self._catch_up(seqs, at, pending, proposals)
-            forwards += 1
+        # Every forward's inputs first (host work and copies to the device), so that the
+        # forwards then run back to back: nothing waits for the device until the end.
+        passes = self._catch_up_passes(seqs)
         for j in range(1, max(wants)):
             active = [i for i, want in enumerate(wants) if want > j]
-            self._propose(seqs, active, j, proposals)
-            forwards += 1
+            rows = [_Row(i, seqs[i].num_tokens + j - 1, 1) for i in active]
+            passes.append(self._pass(seqs, [], rows, None, active, j))
+        proposals = torch.zeros(len(seqs), max(wants), dtype=torch.int64, device=self.device)
+        for p in passes:
+            # A proposal forward's tokens: the previous proposals of its rows' sequences.
+            ids = proposals[p.targets, p.column - 1] if p.input_ids is None else p.input_ids
+            hidden = self.model.forward(ids, p.positions, self.kv_caches, self.backend, p.meta)
+            if p.sample_rows is not None:
+                hidden = hidden.index_select(0, p.sample_rows)
+            if p.targets.numel():
+                proposals[p.targets, p.column] = self.model.logits(hidden).argmax(dim=-1)
         host = proposals.tolist()  # the step's one wait for the device
         out: list[list[int]] = [[] for _ in requests]
         for i, seq in enumerate(seqs):
@@ -136,59 +155,58 @@ class DraftProposer:
             out[order[i]] = guesses
             # KV written: every token before num_tokens, and the guesses but the last.
             self._written[seq] = _Written(seq.num_tokens, tuple(guesses[:-1]), seq.num_preemptions)
-        self.stats.draft_forwards += forwards
+        self.stats.draft_forwards += len(passes)
         self.stats.draft_seconds += self.clock() - start_s
         return out
 
-    def _catch_up(
-        self, seqs: list[Sequence], at: list[int], pending: list[int], proposals: torch.Tensor
-    ) -> list[int]:
-        """One forward over the tokens the draft lacks (up to `max_batch_tokens`; `at[i]`:
-        sequence i's first one, advanced), first proposals from the rows that end a
-        sequence's tokens; returns the sequences still behind."""
-        budget = self.max_batch_tokens
-        chunks: list[_Row] = []
-        singles: list[_Row] = []
-        behind: list[int] = []
-        for i in pending:
-            take = min(seqs[i].num_tokens - at[i], budget)
-            if take > 0:
-                (chunks if take > 1 else singles).append(_Row(i, at[i], take))
-                budget -= take
-                at[i] += take
-            if at[i] < seqs[i].num_tokens:
-                behind.append(i)
-        singles.sort(key=lambda row: row.start)  # decode rows ascending by context
-        tokens: list[int] = []
-        done: list[int] = []  # the sequences whose last token this forward runs...
-        last_rows: list[int] = []  # ...and its row
-        for row in (*chunks, *singles):
-            seq = seqs[row.index]
-            tokens += seq.all_token_ids[row.start : row.start + row.n]
-            if row.start + row.n == seq.num_tokens:
-                done.append(row.index)
-                last_rows.append(len(tokens) - 1)
-        hidden = self._forward(self._tensor(tokens), seqs, chunks, singles)
-        if done:
-            logits = self.model.logits(hidden.index_select(0, self._tensor(last_rows)))
-            proposals[self._tensor(done), 0] = logits.argmax(dim=-1)
-        return behind
+    def _catch_up_passes(self, seqs: list[Sequence]) -> list[_Pass]:
+        """The forwards over the tokens the draft lacks, `max_batch_tokens` at most each
+        (one, unless a catch-up is long): chunks with context, or decode rows for a
+        single token; the rows that end a sequence's tokens give its first proposal."""
+        at = [self.valid_tokens(seq) for seq in seqs]
+        pending = list(range(len(seqs)))
+        passes: list[_Pass] = []
+        while pending:
+            budget = self.max_batch_tokens
+            chunks: list[_Row] = []
+            singles: list[_Row] = []
+            behind: list[int] = []
+            for i in pending:
+                take = min(seqs[i].num_tokens - at[i], budget)
+                if take > 0:
+                    (chunks if take > 1 else singles).append(_Row(i, at[i], take))
+                    budget -= take
+                    at[i] += take
+                if at[i] < seqs[i].num_tokens:
+                    behind.append(i)
+            singles.sort(key=lambda row: row.start)  # decode rows ascending by context
+            tokens: list[int] = []
+            done: list[int] = []  # the sequences whose last token this forward runs...
+            last_rows: list[int] = []  # ...and its row
+            for row in (*chunks, *singles):
+                seq = seqs[row.index]
+                tokens += seq.all_token_ids[row.start : row.start + row.n]
+                if row.start + row.n == seq.num_tokens:
+                    done.append(row.index)
+                    last_rows.append(len(tokens) - 1)
+            passes.append(self._pass(seqs, chunks, singles, (tokens, last_rows), done, 0))
+            pending = behind
+        return passes
 
-    def _propose(
-        self, seqs: list[Sequence], active: list[int], j: int, proposals: torch.Tensor
-    ) -> None:
-        """One decode forward: each active sequence's proposal j - 1 at its position
-        (written into its reserved slot), whose logits give proposal j."""
-        index = self._tensor(active)
-        rows = [_Row(i, seqs[i].num_tokens + j - 1, 1) for i in active]
-        hidden = self._forward(proposals[index, j - 1], seqs, [], rows)
-        proposals[index, j] = self.model.logits(hidden).argmax(dim=-1)
-
-    def _forward(
-        self, input_ids: torch.Tensor, seqs: list[Sequence], chunks: list[_Row], singles: list[_Row]
-    ) -> torch.Tensor:
-        """The draft's hidden states for `chunks` (prefill rows with context) then
-        `singles` (decode rows, ascending by position), tokens `input_ids` in that order."""
+    def _pass(
+        self,
+        seqs: list[Sequence],
+        chunks: list[_Row],
+        singles: list[_Row],
+        tokens: tuple[list[int], list[int]] | None,
+        targets: list[int],
+        column: int,
+    ) -> _Pass:
+        """One forward's inputs on the device: `chunks` (prefill rows with context) then
+        `singles` (decode rows, ascending by position). `tokens`: (the rows' tokens, the
+        rows that sample) for a catch-up; None for a proposal forward, whose every row
+        samples and whose tokens are proposals[targets, column - 1]. Proposal `column`
+        of sequences `targets` comes from the sampled rows, in order."""
         bs = self.block_size
         positions: list[int] = []
         slots: list[int] = []
@@ -211,8 +229,13 @@ class DraftProposer:
             prefill_batch=self._prefill_batch(prefills),
             decode=self._decode_meta([(r.start + 1, seqs[r.index]) for r in singles]),
         )
-        return self.model.forward(
-            input_ids, self._tensor(positions), self.kv_caches, self.backend, meta
+        return _Pass(
+            input_ids=None if tokens is None else self._tensor(tokens[0]),
+            positions=self._tensor(positions),
+            meta=meta,
+            sample_rows=None if tokens is None else self._tensor(tokens[1]),
+            targets=self._tensor(targets),
+            column=column,
         )
 
     def _tensor(
