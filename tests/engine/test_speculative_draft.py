@@ -29,6 +29,7 @@ from pdserve.engine.draft import DraftProposer
 from pdserve.engine.errors import CheckpointError
 from pdserve.engine.hashing import ROOT_HASH, hash_block_chain
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculative import SpeculativeConfig
 
 MAX_TOKENS = 24
@@ -345,6 +346,48 @@ def test_tensor_parallel_runs_the_draft_on_rank_0(
         assert [o.token_ids for o in outs] == expected
         assert llm.engine.spec_stats().accepted_tokens > 0
         check_pool(llm.engine, outs)
+
+
+class FakeCost:
+    """A step cost model's coefficients (see test_speculative.py's)."""
+
+    def __init__(self, coefficients: tuple[float, ...]) -> None:
+        self.decode_coefficients = coefficients
+
+
+@pytest.mark.parametrize("cost", ["cheap", "costly"])
+def test_adaptive_policy_decides_before_the_draft_runs(
+    target: tuple[Path, list[list[int]]], drafts: dict[str, Path], cost: str
+) -> None:
+    """With the adaptive policy (the default) a draft is asked for as many tokens as the
+    policy finds worth verifying: all of them when proposals are cheap; when they are
+    costly, none is verified, but the draft still makes each sequence's first guess,
+    which the policy checks against the token the sequence then gets."""
+    model_dir, expected = target
+    llm = LLM(model_dir, dtype="float32", speculative=f"draft:{drafts['same']},k=3")
+    policy = llm.engine.scheduler.spec_policy
+    assert policy is not None
+    per_row = 1e-7 if cost == "cheap" else 1.0  # seconds per decode row (and token)
+    policy.cost = FakeCost((1e-3, per_row, 0.0, per_row, 0.0))
+    observed: list[tuple[int, int]] = []  # (proposed, accepted) the policy learns from
+    observe = policy.observe
+
+    def recording(seq: Sequence, proposed: int, accepted: int) -> None:
+        observed.append((proposed, accepted))
+        observe(seq, proposed, accepted)
+
+    policy.observe = recording  # type: ignore[method-assign]
+    outs = llm.generate(make_prompts(), GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    stats = llm.engine.spec_stats()
+    assert stats.draft_forwards > 0
+    if cost == "cheap":
+        assert stats.withheld_tokens == 0 and stats.accepted_tokens == stats.proposed_tokens > 0
+    else:
+        assert stats.verify_rows == 0 and stats.withheld_tokens > 0
+        # every withheld first guess (the target's own token) checked and found right
+        assert observed and all(o == (1, 1) for o in observed), observed
+    check_pool(llm.engine, outs)
 
 
 # -- sampled requests --------------------------------------------------------------------
