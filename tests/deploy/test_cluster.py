@@ -398,7 +398,19 @@ def test_speculation_proposes_and_keeps_the_tokens(
     if name == "disagg-grpc":  # the draft model proposed, and its first layer agrees often
         assert counted("spec_draft_forwards") > before["spec_draft_forwards"]
         assert counted("spec_accepted_tokens") > before["spec_accepted_tokens"]
+        deadline = time.monotonic() + 10.0  # /metrics shows the index's last snapshot
+        while time.monotonic() < deadline and not metric_total(url, DRAFT_US):
+            pass
+        assert metric_total(url, DRAFT_US) > 0, "no draft time on /metrics"
     assert_workers_idle(url)
+
+
+DRAFT_US = "pdserve_worker_spec_draft_forward_us"
+
+
+def metric_total(url: str, name: str) -> float:
+    """The sum of every series of `name` on /metrics."""
+    return sum(v for (sample_name, _), v in scrape_metrics(url).items() if sample_name == name)
 
 
 def decode_workers(url: str) -> list[dict[str, Any]]:
