@@ -1,9 +1,9 @@
-"""Speculative decoding with prompt lookup: decode tok/s with and without it, and how
-many proposals the model accepts, in one run.
+"""Speculative decoding with prompt lookup and with a draft model: decode tok/s with
+and without it, and how many proposals the model accepts, in one run.
 
     python -m pdserve.benchmarks.speculative [--model mid|tiny] [--batches 1 8]
-        [--spec ngram:k=4] [--seed-len 32] [--output-len 96] [--threads 1]
-        [--dtype float32] [--repeats 3]
+        [--spec ngram:k=4] [--drafts same layers:2] [--draft-options k=4,adaptive=off]
+        [--seed-len 32] [--output-len 96] [--threads 1] [--dtype float32] [--repeats 3]
 
 The checkpoint is `engine_throughput`'s random `transformers` Llama of that name ("mid":
 hidden 1024, 8 layers, 16 heads, 4 KV heads, vocabulary 32000, ~156M parameters, float32),
@@ -22,6 +22,12 @@ built in a temporary folder. Two workloads, each at every batch size:
 - wrong: the random prompts again, every proposal made wrong (each proposed token + 1):
   what speculation costs where it cannot help (the adaptive policy backs off; with
   `adaptive=off` every wrong proposal is verified).
+- draft=...: the random prompts again, proposed by a draft model (`"draft:PATH,"` +
+  `--draft-options`, by default every proposal verified), one row per `--drafts` entry:
+  `same`, the checkpoint as its own draft (every greedy proposal accepted: the upper
+  bound on acceptance, so the row measures what drafting and verifying cost), and
+  `layers:N`, the checkpoint cut to its first N layers (embedding, final norm and LM
+  head kept: a smaller draft that agrees with it often, as a layer-skip draft does).
 
 Each workload runs greedily (eos ignored, `--output-len` tokens) on two engines of the same
 checkpoint, without and with `--spec`; only the decode phase is timed (from the first step
@@ -42,7 +48,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import random
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -54,7 +62,7 @@ from pdserve.benchmarks.engine_throughput import MODELS, build_checkpoint
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import write_random_model
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative import Proposer, SpecStats
+from pdserve.engine.speculative import BatchProposer, Proposer, SpecStats
 
 _ids = itertools.count()
 
@@ -180,6 +188,37 @@ def copy_prompts(
     return [s + t + s for s, t in zip(seeds, continuations, strict=True)]
 
 
+def first_layers(model_dir: Path, out: Path, layers: int) -> Path:
+    """`model_dir` cut to its first `layers` layers (embedding, final norm, LM head and
+    tokenizer kept): a draft of the same vocabulary that agrees with it often."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copyfile(f, out / f.name)
+    tensors = load_file(model_dir / "model.safetensors")
+    kept = {
+        k: v
+        for k, v in tensors.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return out
+
+
+def draft_dir(model_dir: Path, name: str) -> tuple[str, Path]:
+    """A `--drafts` entry's row label and folder: `same` or `layers:N`."""
+    if name == "same":
+        return "draft=target", model_dir
+    kind, _, n = name.partition(":")
+    if kind != "layers" or not n.isdigit() or int(n) < 1:
+        raise SystemExit(f"--drafts: expected 'same' or 'layers:N', got {name!r}")
+    return f"draft={n} layers", first_layers(model_dir, model_dir.parent / f"draft-{n}", int(n))
+
+
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
@@ -199,8 +238,12 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int) -> list[Row]:
     }
     plain = LLM(model_dir, **config)
     spec = LLM(model_dir, speculative=args.spec, **config)
+    drafts = {
+        label: LLM(model_dir, speculative=f"draft:{path},{args.draft_options}", **config)
+        for label, path in (draft_dir(model_dir, name) for name in args.drafts)
+    }
     warm = [[5, 6, 7, 8] * 4]
-    for llm in (plain, spec):
+    for llm in (plain, spec, *drafts.values()):
         llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     rows = []
     for batch in args.batches:
@@ -215,13 +258,17 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int) -> list[Row]:
         }
         proposer = spec.engine.scheduler.proposer
         assert proposer is not None
-        for name, prompts in workloads.items():
-            wrong = WrongProposer(proposer, vocab) if name == "wrong" else proposer
-            spec.engine.scheduler.proposer = wrong
+        runs = [(name, spec, prompts) for name, prompts in workloads.items()]
+        runs += [(label, llm, random_prompts) for label, llm in drafts.items()]
+        for name, llm, prompts in runs:
+            if name == "wrong":
+                if isinstance(proposer, BatchProposer):
+                    continue  # a draft's proposals are made in the model: not rewritten
+                spec.engine.scheduler.proposer = WrongProposer(proposer, vocab)
             plain_runs, spec_runs = [], []
             for _ in range(args.repeats):
                 plain_runs.append(decode_run(plain, prompts, args.output_len))
-                spec_runs.append(decode_run(spec, prompts, args.output_len))
+                spec_runs.append(decode_run(llm, prompts, args.output_len))
             spec.engine.scheduler.proposer = proposer
             row = Row(name, batch, best(plain_runs), best(spec_runs))
             rows.append(row)
@@ -234,6 +281,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=sorted(MODELS), default="mid")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--spec", default="ngram:k=4", help="EngineConfig.speculative")
+    parser.add_argument(
+        "--drafts",
+        nargs="*",
+        default=["same", "layers:2"],
+        help="draft models, a row each on the random prompts: 'same' (the checkpoint"
+        " itself) or 'layers:N' (its first N layers); none for no draft rows",
+    )
+    parser.add_argument(
+        "--draft-options", default="k=4,adaptive=off", help="the draft rows' options"
+    )
     parser.add_argument("--seed-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)

@@ -39,7 +39,7 @@ from pdserve.engine.config import (
 )
 from pdserve.engine.errors import EngineError
 from pdserve.engine.model_config import ModelConfig, load_model_config, tensor_parallel_problems
-from pdserve.engine.speculative import SpeculativeConfig
+from pdserve.engine.speculative import SpeculativeConfig, check_draft_checkpoint
 from pdserve.kv_transfer.tls import TLSConfig
 
 Mode = Literal["disagg", "colocated"]
@@ -263,9 +263,10 @@ class ClusterConfig(BaseModel):
     # between workers of one format, and the prefix index refuses a worker of another.
     kv_cache_dtype: KVCacheDtype = "auto"
     # The decode pool speculates (EngineConfig.speculative, engine/speculative.py):
-    # "ngram:k=K[,n=N][,adaptive=on|off]", prompt lookup. The prefill pool samples one
-    # token per request, so it has nothing to speculate; in colocated mode the one pool
-    # (the decode deployment) does.
+    # "ngram:k=K[,n=N][,adaptive=on|off]", prompt lookup, or "draft:PATH[,k=K][,...]",
+    # a draft model's folder (as `model`, a path on the workers; preflight checks it
+    # here). The prefill pool samples one token per request, so it has nothing to
+    # speculate; in colocated mode the one pool (the decode deployment) does.
     speculative: str | None = None
     num_threads: int = Field(default=1, ge=1, description="torch threads per replica")
     block_size: int = Field(default=16, ge=1, le=1024)
@@ -450,7 +451,8 @@ class ClusterConfig(BaseModel):
     def preflight(self, check_redis: bool = False, redis_timeout_s: float = 3.0) -> ClusterConfig:
         """Check what a replica would find wrong only at start; return `resolved()`.
 
-        The model folder (config.json, architecture, tokenizer), each pool's TP size
+        The model folder (config.json, architecture, tokenizer), a speculative draft
+        model's folder (its vocabulary against the model's), each pool's TP size
         against the model's heads, KV heads and intermediate size (the engine's own
         `check_tensor_parallel`), `max_model_len` against the model's and against each
         pool's KV pool, the TLS files, and with `check_redis` that `redis_url` answers a
@@ -466,6 +468,12 @@ class ClusterConfig(BaseModel):
             Tokenizer(Path(self.model))
         except EngineError as exc:
             raise ConfigError("model", str(exc)) from None
+        spec = None if self.speculative is None else SpeculativeConfig.parse(self.speculative)
+        if spec is not None and spec.draft_model is not None:
+            try:  # the engine's own check: the folder, its vocabulary and tokenizer
+                check_draft_checkpoint(Path(spec.draft_model), mc, Path(self.model))
+            except EngineError as exc:
+                raise ConfigError("speculative", str(exc)) from None
         limit = mc.max_position_embeddings
         if self.max_model_len is not None and self.max_model_len > limit:
             raise ConfigError(

@@ -123,7 +123,7 @@ def _up(args: argparse.Namespace) -> int:
         load_format=args.load_format,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
-        speculative=args.speculative,
+        speculative=_absolute_draft(args.speculative),
         tpot_target_ms=args.tpot_target_ms,
         enforce_eager=args.enforce_eager,
         kv_staging_mb=args.kv_staging_mb,
@@ -164,6 +164,20 @@ def _up(args: argparse.Namespace) -> int:
         )
     config.preflight(check_redis=bool(args.redis_url))
     return run_up(config, args.host, args.port, address=args.address, ingress=ingress)
+
+
+def _absolute_draft(spec: str | None) -> str | None:
+    """`--speculative` with a draft model's folder made absolute, like `--model`'s: the
+    replicas do not run in this directory. Anything else as given (the config checks it)."""
+    if spec is None or spec.strip().partition(":")[0].strip() != "draft":
+        return spec
+    from pdserve.engine.demo_model import resolve_model
+
+    method, _, rest = spec.strip().partition(":")
+    path, comma, options = rest.partition(",")
+    if not path.strip() or "=" in path:
+        return spec
+    return f"{method}:{resolve_model(path.strip()).resolve()}{comma}{options}"
 
 
 def _kv_tls(args: argparse.Namespace) -> KVTLS | None:
@@ -368,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help='speculative decoding on the decode pool: "ngram:k=4" (prompt lookup: up to 4'
         " tokens proposed per step from the sequence's own text, verified in one pass;"
-        ' greedy output unchanged), "ngram:k=K,n=N,adaptive=off"',
+        ' greedy output unchanged), "ngram:k=K,n=N,adaptive=off", or "draft:PATH,k=4" (a'
+        " smaller model of the same vocabulary, its folder PATH, proposes)",
     )
     up.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     up.add_argument(

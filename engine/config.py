@@ -120,7 +120,10 @@ class EngineConfig(BaseModel):
         " ones have exactly its distribution. With adaptive=on (the default) only the"
         " proposed tokens worth their cost are verified (each sequence's acceptance so far"
         ' against the measured step costs); adaptive=off verifies all. "ngram" alone: K=4,'
-        ' N=3. A draft model ("draft:PATH,k=K") is not implemented yet. None: off.',
+        ' N=3. "draft:PATH[,k=K][,adaptive=on|off]": a smaller model of the same vocabulary'
+        " (its folder PATH, checked at start) proposes K tokens greedily, over a KV cache of"
+        " its own with the pool's blocks (engine/draft.py); tensor parallel: it runs on"
+        " rank 0 only. None: off.",
     )
     tensor_parallel_size: int = Field(
         default=1,

@@ -20,6 +20,7 @@ from pdserve.engine.block_pool import BlockPool, KVEvent, KVEventKind
 from pdserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from pdserve.engine.cuda_graphs import cuda_graphs_enabled
 from pdserve.engine.demo_model import resolve_model
+from pdserve.engine.draft import DraftProposer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.hashing import hash_namespace
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
@@ -59,7 +60,14 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence, TokenLogprobs
-from pdserve.engine.speculative import SpecPolicy, SpecStats, make_proposer
+from pdserve.engine.speculative import (
+    BatchProposer,
+    Proposer,
+    SpecPolicy,
+    SpecStats,
+    check_draft_checkpoint,
+    make_proposer,
+)
 from pdserve.engine.step_cost import StepCostModel
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp_worker import RankLauncher, TPWorkers
@@ -130,6 +138,16 @@ class LLMEngine:
         self.model_dir = resolve_model(model)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
+        # Speculative decoding with a draft model: its folder checked before any weight
+        # loads (engine/speculative.py, check_draft_checkpoint).
+        spec = config.speculative_config
+        self.draft_dir: Path | None = None
+        self.draft_config: ModelConfig | None = None
+        if spec is not None and spec.draft_model is not None:
+            self.draft_dir = resolve_model(spec.draft_model)
+            self.draft_config = check_draft_checkpoint(
+                self.draft_dir, self.model_config, self.model_dir
+            )
         self.model_id = config.model_id or self.model_dir.name
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
@@ -182,6 +200,7 @@ class LLMEngine:
             if self.tp_workers is not None:
                 self.model.tp = self.tp_workers.group
                 self.tp_workers.wait_ready()
+            self.draft_model = self._load_draft()
         except BaseException:
             self.close()
             raise
@@ -192,7 +211,6 @@ class LLMEngine:
         )
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
         target_ms = config.tpot_target_ms
-        spec = config.speculative_config
         # Measured only with a target or adaptive speculation: on CUDA the measurement
         # may cost a sync (see step).
         measured = target_ms is not None or (spec is not None and spec.adaptive)
@@ -208,13 +226,15 @@ class LLMEngine:
                 min_prefill_chunk=config.block_size,
             ),
             self.step_cost,
-            proposer=None if spec is None else make_proposer(spec),
+            proposer=self._make_proposer(),
             spec_policy=(
                 SpecPolicy(self.step_cost)
                 if spec is not None and spec.adaptive and self.step_cost is not None
                 else None
             ),
         )
+        if isinstance(self.scheduler.proposer, DraftProposer):
+            self.scheduler.proposer.stats = self.scheduler.spec_stats
         self.clock = time.perf_counter  # step wall times (tests inject a fake)
         self.runner = ModelRunner(
             self.model,
@@ -268,10 +288,56 @@ class LLMEngine:
         row = kv_quant.row_bytes(self.config.kv_cache_dtype, mc.head_dim, _itemsize(self.dtype))
         return self.config.block_size * 2 * mc.num_layers * kv_heads * row
 
+    def _pool_block_bytes(self) -> int:
+        """What one block of the pool costs this process: the target's KV block, and with
+        a draft model its KV block too (a second cache of the same number of blocks)."""
+        draft = self.draft_config
+        if draft is None:
+            return self.kv_block_bytes
+        return self.kv_block_bytes + (
+            self.config.block_size * draft.kv_bytes_per_token * _itemsize(self.dtype) // 4
+        )
+
+    def _load_draft(self) -> LlamaModel | None:
+        """The draft model, loaded like the target (device, dtype, load format, seed and
+        quantization) but whole: with tensor parallelism it runs on this rank only."""
+        if self.draft_dir is None or self.draft_config is None:
+            return None
+        return load_model(
+            self.draft_dir,
+            self.draft_config,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self.config.load_format,
+            self.config.seed,
+            None,
+            self.config.quantization,
+        )
+
+    def _make_proposer(self) -> Proposer | BatchProposer | None:
+        """Speculative decoding's proposer: prompt lookup, or the draft model over a KV
+        cache of its own shape with the pool's blocks (engine/draft.py)."""
+        cfg = self.config
+        spec = cfg.speculative_config
+        if spec is None:
+            return None
+        if self.draft_model is None:
+            return make_proposer(spec)
+        return DraftProposer(
+            self.draft_model,
+            self.num_kv_blocks,
+            cfg.block_size,
+            make_attention_backend(cfg.attention_backend, self.device, self.draft_model.dtype),
+            self.device,
+            spec.num_speculative_tokens,
+            cfg.max_num_batched_tokens,
+        )
+
     def _size_kv_pool(self) -> tuple[int, int]:
         """(max_model_len, blocks) of a pool sized by the configuration alone."""
         cfg = self.config
-        max_len, block_bytes = self._context_len(), self.kv_block_bytes
+        max_len, block_bytes = self._context_len(), self._pool_block_bytes()
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         elif cfg.kv_cache_memory_gb is not None:
@@ -335,7 +401,7 @@ class LLMEngine:
             total_bytes=start.total_bytes,
             peak_torch_bytes=peak - start.torch_allocated_bytes - scratch_bytes,
             non_torch_bytes=max(end.non_torch_bytes - start.non_torch_bytes, 0),
-            block_bytes=self.kv_block_bytes,
+            block_bytes=self._pool_block_bytes(),
             step_tokens=cfg.max_num_batched_tokens,
         )
         # Never more than the running sequences can use: each block costs the block pool

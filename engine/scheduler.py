@@ -20,7 +20,9 @@ before waiting requests are admitted: a decoding sequence with `m` proposed toke
 many as the adaptive `SpecPolicy` finds worth their cost, when it is on) becomes a
 *verify* row of `m + 1` query tokens (its last token, then the proposals), for which
 KV slots are reserved like any chunk. Speculation never preempts: a proposal that
-does not fit the free blocks is dropped. After the step, `update` keeps the accepted
+does not fit the free blocks is dropped. A draft model (a `BatchProposer`) writes its own
+KV into those slots while proposing, so for it the lengths are decided and the slots
+reserved first, and it is asked once for the whole step. After the step, `update` keeps the accepted
 tokens only: the sequence's computed tokens end at the accepted length (the KV written
 for rejected proposals lies beyond it, never read, and is overwritten by the next step),
 and blocks that held only rejected slots go back to the pool. Block hashes come from
@@ -39,7 +41,7 @@ from typing import Protocol
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
-from pdserve.engine.speculative import Proposer, SpecPolicy, SpecStats
+from pdserve.engine.speculative import BatchProposer, Proposer, SpecPolicy, SpecStats
 from pdserve.engine.step_cost import StepShape, chunk_attention
 
 # Called after each token `update` appends (and its token-level stop check), with the
@@ -170,7 +172,7 @@ class Scheduler:
         kv: KVCacheManager,
         limits: SchedulerLimits,
         cost_model: StepCostPredictor | None = None,
-        proposer: Proposer | None = None,
+        proposer: Proposer | BatchProposer | None = None,
         spec_policy: SpecPolicy | None = None,
     ) -> None:
         self.kv = kv
@@ -255,22 +257,57 @@ class Scheduler:
         free blocks last (never preempting for them); return the budget left."""
         proposer, policy, stats = self.proposer, self.spec_policy, self.spec_stats
         assert proposer is not None
-        k, max_len = proposer.num_speculative_tokens, self.limits.max_model_len
         if policy is not None:
             rows = sum(s.samples for s in (*out.prefills, *out.decodes))
             policy.begin_step(out.shape().features(), rows)
+        if isinstance(proposer, BatchProposer):
+            budget = self._speculate_batch(proposer, out, budget, cap)
+        else:
+            budget = self._speculate_each(proposer, out, budget, cap)
+        if out.verifies:
+            stats.verify_steps += 1
+            stats.verify_rows += len(out.verifies)
+            stats.proposed_tokens += sum(len(v.spec_token_ids) for v in out.verifies)
+        return budget
+
+    def _room(self, item: ScheduledSeq, k: int, budget: int) -> int:
+        """The most tokens `item`'s sequence may have proposed: at most `k`, the budget,
+        the tokens the request may still emit and the context holds, minus the one a
+        verify row always emits; 0 for a row that does not sample."""
+        seq = item.seq
+        if not item.samples:
+            return 0
+        return min(
+            k,
+            budget,
+            seq.params.max_tokens - len(seq.output_token_ids) - 1,
+            self.limits.max_model_len - seq.num_tokens - 1,
+        )
+
+    @staticmethod
+    def _verify(
+        out: SchedulerOutput, item: ScheduledSeq, proposal: list[int], cap: _PrefillCap | None
+    ) -> None:
+        """Schedule `item` as a verify row of `proposal` (its slots reserved)."""
+        m = len(proposal)
+        out.verifies.append(ScheduledSeq(item.seq, 1 + m, item.start, tuple(proposal)))
+        if cap is not None:  # each proposal runs as one more decode row
+            for j in range(1, m + 1):
+                cap.shape = cap.shape.with_decode(item.start + j + 1)
+            cap.room -= m
+
+    def _speculate_each(
+        self, proposer: Proposer, out: SchedulerOutput, budget: int, cap: _PrefillCap | None
+    ) -> int:
+        """A proposer asked sequence by sequence (prompt lookup): propose, let the policy
+        cut, then reserve the slots of what is left."""
+        policy, stats = self.spec_policy, self.spec_stats
+        k = proposer.num_speculative_tokens
         decodes: list[ScheduledSeq] = []
         for item in out.decodes:
             seq = item.seq
-            # At most the tokens the request may still emit, and the context holds,
-            # minus the one a verify row always emits.
-            room = min(
-                k,
-                budget,
-                seq.params.max_tokens - len(seq.output_token_ids) - 1,
-                max_len - seq.num_tokens - 1,
-            )
-            proposal = proposer.propose(seq, room) if item.samples and room > 0 else []
+            room = self._room(item, k, budget)
+            proposal = proposer.propose(seq, room) if room > 0 else []
             if proposal and policy is not None:
                 worth = policy.length(seq, item.start, len(proposal))
                 if worth == 0:
@@ -280,18 +317,48 @@ class Scheduler:
             if not proposal or not self.kv.allocate_slots(seq, 1 + len(proposal)):
                 decodes.append(item)
                 continue
-            m = len(proposal)
-            out.verifies.append(ScheduledSeq(seq, 1 + m, item.start, tuple(proposal)))
-            budget -= m
-            if cap is not None:  # each proposal runs as one more decode row
-                for j in range(1, m + 1):
-                    cap.shape = cap.shape.with_decode(item.start + j + 1)
-                cap.room -= m
+            self._verify(out, item, proposal, cap)
+            budget -= len(proposal)
         out.decodes = decodes
-        if out.verifies:
-            stats.verify_steps += 1
-            stats.verify_rows += len(out.verifies)
-            stats.proposed_tokens += sum(len(v.spec_token_ids) for v in out.verifies)
+        return budget
+
+    def _speculate_batch(
+        self, proposer: BatchProposer, out: SchedulerOutput, budget: int, cap: _PrefillCap | None
+    ) -> int:
+        """A proposer asked once for the whole step (a draft model), which writes KV into
+        the verify rows' slots: each sequence's length is decided first (its room, cut by
+        the policy, which needs only the length), its slots reserved, then every proposal
+        is made in one call. A sequence the policy withholds entirely still gets its first
+        proposed token, for the policy's shadow check (the draft's catch-up forward makes
+        it anyway); one whose slots do not fit decodes plainly and is not asked."""
+        policy, stats = self.spec_policy, self.spec_stats
+        k = proposer.num_speculative_tokens
+        planned: list[tuple[ScheduledSeq, int]] = []  # (item, tokens to verify)
+        for item in out.decodes:
+            seq = item.seq
+            room = self._room(item, k, budget)
+            if room <= 0:
+                continue
+            worth = room if policy is None else policy.length(seq, item.start, room)
+            if worth == 0 and policy is None:
+                continue
+            if worth > 0 and not self.kv.allocate_slots(seq, 1 + worth):
+                continue
+            stats.withheld_tokens += room - worth
+            planned.append((item, worth))
+            budget -= worth
+        if not planned:
+            return budget
+        proposals = proposer.propose_batch([(item.seq, max(m, 1)) for item, m in planned])
+        verified: set[int] = set()
+        for (item, worth), proposal in zip(planned, proposals, strict=True):
+            if worth == 0:
+                assert policy is not None
+                policy.withhold(item.seq, proposal[0])
+                continue
+            self._verify(out, item, proposal[:worth], cap)
+            verified.add(id(item))
+        out.decodes = [item for item in out.decodes if id(item) not in verified]
         return budget
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:

@@ -1,6 +1,8 @@
-"""Speculative decoding: its configuration, prompt-lookup proposals, and acceptance.
+"""Speculative decoding: its configuration, the proposers' protocols, prompt-lookup
+proposals, and acceptance.
 
-Plain Python, no tensors. A decode step of a memory-bound model costs about the same for
+Plain Python, no tensors (the draft-model proposer, which runs a model, is
+engine/draft.py). A decode step of a memory-bound model costs about the same for
 one query token as for a few, so a sequence that has a guess of its next `m` tokens is
 run as a *verify row* of `m + 1` query tokens (its last sampled token and the `m`
 proposed ones, attending to its own paged context like a chunked-prefill row; the runner
@@ -10,14 +12,41 @@ agrees with is a token gained for free (`accept`). How many proposed tokens are 
 verifying is `SpecPolicy`'s call; the scheduler reserves their KV slots and rolls back
 what is rejected (scheduler.py).
 
-The proposer here is *prompt lookup* (n-gram matching, Saxena 2023): the sequence's
-last `n` tokens are looked up in its own prompt and output so far, and the tokens that
-followed their most recent earlier occurrence are proposed. It costs no model, and pays
-off where the output copies its input (summaries, edits, code, extraction) or repeats
-itself; where nothing matches, nothing is proposed and the sequence decodes as usual.
+Two proposers:
+
+- *Prompt lookup* (`"ngram:k=K,n=N"`, n-gram matching, Saxena 2023): the sequence's
+  last `n` tokens are looked up in its own prompt and output so far, and the tokens that
+  followed their most recent earlier occurrence are proposed. It costs no model, and pays
+  off where the output copies its input (summaries, edits, code, extraction) or repeats
+  itself; where nothing matches, nothing is proposed and the sequence decodes as usual.
+- *A draft model* (`"draft:PATH,k=K"`, `draft.DraftProposer`): a smaller checkpoint of
+  the same vocabulary (`check_draft_checkpoint`), loaded with the engine's own model code
+  on the target's device and dtype, proposes k tokens by greedy decoding. Its KV cache is
+  a second paged cache of the draft's shape with the *same number of blocks*, addressed
+  by the target sequence's own block table and slots: the scheduler's allocation, prefix
+  caching, preemption and rollback cover it with no bookkeeping of their own. Each
+  sequence remembers how many of its tokens the draft has KV for (and which proposed
+  tokens it wrote past them); before proposing, the draft catches up over the tokens it
+  lacks (one batched forward over every speculating sequence's missing tokens, like a
+  chunked prefill), which also yields the first proposal, then runs one batched decode
+  forward per further proposal: k forwards per step, whatever the batch. The proposals'
+  draft KV lands in the slots the scheduler reserved for the verify row; a proposed token
+  the sequence then really has (accepted) sits at its position with its true prefix, so
+  its draft KV stays valid, and the draft's count is cut back at the first token that
+  differs. So it does not matter where the target's prompt KV came from (a local
+  prefill, a prefix-cache hit, or a KV import from a prefill worker): the draft builds
+  its own. Preemption (a recompute into other blocks) resets it. The draft never writes
+  a slot of a block another sequence shares with different tokens: shared blocks are
+  full of the sequence's own tokens, whose draft KV (a function of the same prefix) it
+  rewrites with the same values. With tensor parallelism the draft runs whole on rank 0
+  (the scheduler's), beside its shard, with its own small cache; the other ranks never
+  see it. It runs eagerly (no CUDA graphs).
 
 Acceptance is exact (`accept`): the emitted tokens have exactly the distribution of
-decoding without speculation, and greedy requests get exactly its tokens.
+decoding without speculation, and greedy requests get exactly its tokens. That holds
+for both proposers: each proposal is a deterministic function of the sequence's tokens
+before it (a greedy draft is a point mass, q = one-hot), drawn with none of the
+target's random numbers, which is the case `accept`'s rejection rule is exact for.
 """
 
 from __future__ import annotations
@@ -25,15 +54,21 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
+from pdserve.engine.errors import CheckpointError
+from pdserve.engine.model_config import ModelConfig, load_model_config
 from pdserve.engine.sequence import Sequence
 
 MAX_PROPOSAL_LEN = 8
 MAX_NGRAM = 16
 DEFAULT_PROPOSAL_LEN = 4
 DEFAULT_NGRAM = 3
-_FORMS = "'ngram', 'ngram:k=K' or 'ngram:k=K,n=N[,adaptive=on|off]'"
+_FORMS = (
+    "'ngram', 'ngram:k=K' or 'ngram:k=K,n=N[,adaptive=on|off]' (prompt lookup), or"
+    " 'draft:PATH[,k=K][,adaptive=on|off]' (a draft model's folder)"
+)
 _SWITCH = {"on": True, "1": True, "true": True, "off": False, "0": False, "false": False}
 
 
@@ -41,8 +76,10 @@ _SWITCH = {"on": True, "1": True, "true": True, "off": False, "0": False, "false
 class SpeculativeConfig:
     """Parsed `EngineConfig.speculative`.
 
+    `method`: "ngram" (prompt lookup) or "draft" (a draft model, `draft_model` its folder).
     `num_speculative_tokens` (k): the most tokens proposed for one sequence in one step.
-    `max_ngram` (n): the longest suffix the proposer matches (it tries n, n-1, ..., 1).
+    `max_ngram` (n): the longest suffix the prompt-lookup proposer matches (it tries n,
+    n-1, ..., 1).
     `adaptive`: verify only as many of a proposal's tokens as pay for themselves, from
     each sequence's acceptance so far and the engine's measured step costs
     (`SpecPolicy`); off: verify every proposed token.
@@ -52,32 +89,39 @@ class SpeculativeConfig:
     num_speculative_tokens: int = DEFAULT_PROPOSAL_LEN
     max_ngram: int = DEFAULT_NGRAM
     adaptive: bool = True
+    draft_model: str | None = None
 
     @classmethod
     def parse(cls, spec: str) -> SpeculativeConfig:
         """`"ngram"`, `"ngram:k=4"`, `"ngram:k=4,n=3"`, `"ngram:k=4,adaptive=off"` (k in
-        1..8, n in 1..16, adaptive on or off, by default k=4, n=3, adaptive on).
+        1..8, n in 1..16, adaptive on or off, by default k=4, n=3, adaptive on);
+        `"draft:PATH"`, `"draft:PATH,k=4,adaptive=off"` (PATH a draft model's folder,
+        checked when the engine starts: `check_draft_checkpoint`).
 
-        `"draft:PATH,k=4"` (a small draft model proposing) is refused: not implemented
-        yet. Raises ValueError naming what is wrong.
+        Raises ValueError naming what is wrong.
         """
         method, _, rest = spec.strip().partition(":")
         method = method.strip()
-        if method == "draft":
-            raise ValueError(
-                f"speculative={spec!r}: draft-model proposals are not implemented yet;"
-                f" use prompt lookup: {_FORMS}"
-            )
-        if method != "ngram":
+        if method not in ("ngram", "draft"):
             raise ValueError(f"speculative={spec!r}: unknown method {method!r}; use {_FORMS}")
+        parts = [p.strip() for p in rest.split(",")] if rest.strip() else []
+        draft_model = None
+        if method == "draft":
+            draft_model = parts.pop(0) if parts else ""
+            if not draft_model or "=" in draft_model:
+                raise ValueError(
+                    f"speculative={spec!r}: the draft model's folder must come first"
+                    f" ('draft:PATH[,k=K][,adaptive=on|off]')"
+                )
+        keys = ("k", "n", "adaptive") if method == "ngram" else ("k", "adaptive")
+        expected = "k=K, n=N or adaptive=on|off" if method == "ngram" else "k=K or adaptive=on|off"
         values: dict[str, int] = {}
         adaptive: bool | None = None
-        for part in rest.split(",") if rest.strip() else []:
+        for part in parts:
             key, eq, raw = (s.strip() for s in part.partition("="))
-            if key not in ("k", "n", "adaptive") or not eq:
+            if key not in keys or not eq:
                 raise ValueError(
-                    f"speculative={spec!r}: expected k=K, n=N or adaptive=on|off, got"
-                    f" {part.strip()!r}; use {_FORMS}"
+                    f"speculative={spec!r}: expected {expected}, got {part!r}; use {_FORMS}"
                 )
             if key in values or (key == "adaptive" and adaptive is not None):
                 raise ValueError(f"speculative={spec!r}: {key} is given twice")
@@ -106,7 +150,45 @@ class SpeculativeConfig:
                 f"speculative={spec!r}: n (longest n-gram matched) must be in 1..{MAX_NGRAM},"
                 f" got {n}"
             )
-        return cls(method, k, n, True if adaptive is None else adaptive)
+        return cls(method, k, n, True if adaptive is None else adaptive, draft_model)
+
+
+def check_draft_checkpoint(draft_dir: Path, target: ModelConfig, target_dir: Path) -> ModelConfig:
+    """The draft model's config, once its folder is found fit to propose for `target`
+    (whose folder is `target_dir`): a supported checkpoint (config.json) of the same
+    vocabulary size, and, when both folders have a tokenizer.json, the same vocabulary
+    (token -> id). Proposals are token ids: a draft with other ids would propose
+    nonsense, so it is refused rather than left to be rejected every step.
+
+    Raises CheckpointError naming the folder and the problem. Loads no tensor (the
+    cluster's preflight runs it where torch is not imported).
+    """
+    what = f"speculative draft model {draft_dir}"
+    if not draft_dir.is_dir():
+        raise CheckpointError(f"{what}: no such folder")
+    try:
+        draft = load_model_config(draft_dir)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{what}: {exc}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise CheckpointError(
+            f"{what}: vocab_size {draft.vocab_size} differs from the target model's"
+            f" {target.vocab_size}; a draft must share the target's vocabulary"
+        )
+    mine, theirs = draft_dir / "tokenizer.json", target_dir / "tokenizer.json"
+    if mine.is_file() and theirs.is_file() and mine.read_bytes() != theirs.read_bytes():
+        from tokenizers import Tokenizer as HFTokenizer
+
+        ours = HFTokenizer.from_file(str(mine)).get_vocab(with_added_tokens=True)
+        theirs_vocab = HFTokenizer.from_file(str(theirs)).get_vocab(with_added_tokens=True)
+        if ours != theirs_vocab:
+            differ = sum(ours.get(t) != theirs_vocab.get(t) for t in ours.keys() | theirs_vocab)
+            raise CheckpointError(
+                f"{what}: its tokenizer's vocabulary differs from the target model's"
+                f" ({differ} tokens have another id or none); a draft must share the"
+                " target's tokenizer"
+            )
+    return draft
 
 
 class Proposer(Protocol):
@@ -117,6 +199,22 @@ class Proposer(Protocol):
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         """At most `max_tokens` (>= 1) guesses of the tokens after `seq.all_token_ids`;
         [] for none."""
+        ...
+
+
+@runtime_checkable
+class BatchProposer(Protocol):
+    """A proposer that guesses for every speculating sequence of a step at once and
+    writes KV of its own into the slots reserved for their verify rows (the draft
+    model, `draft.DraftProposer`): the scheduler decides each one's length and reserves
+    its slots first, then asks once."""
+
+    num_speculative_tokens: int
+
+    def propose_batch(self, requests: Seq[tuple[Sequence, int]]) -> list[list[int]]:
+        """Exactly `n` (>= 1) guesses of the tokens after each `seq.all_token_ids`, for
+        each (seq, n) of `requests`, in order. Each seq is a decode row of this step
+        (its last token's slot reserved) with slots reserved for `n - 1` more tokens."""
         ...
 
 
@@ -342,9 +440,12 @@ class SpecStats:
     verify_rows: int = 0  # sequence-steps run as verify rows
     verify_steps: int = 0  # steps with at least one verify row
     withheld_tokens: int = 0  # proposed tokens the adaptive policy did not verify
+    # A draft model's forward passes and their wall time (0 with prompt lookup).
+    draft_forwards: int = 0
+    draft_seconds: float = 0.0
 
     def gauges(self) -> dict[str, int]:
-        return {
+        gauges = {
             "spec_proposed_tokens": self.proposed_tokens,
             "spec_accepted_tokens": self.accepted_tokens,
             "spec_emitted_tokens": self.emitted_tokens,
@@ -352,6 +453,10 @@ class SpecStats:
             "spec_verify_steps": self.verify_steps,
             "spec_withheld_tokens": self.withheld_tokens,
         }
+        if self.draft_forwards:
+            gauges["spec_draft_forwards"] = self.draft_forwards
+            gauges["spec_draft_forward_us"] = round(self.draft_seconds * 1e6)
+        return gauges
 
     @property
     def acceptance_rate(self) -> float:
@@ -359,4 +464,8 @@ class SpecStats:
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The prompt-lookup proposer of `config` (a draft model's is built by the engine,
+    which holds the model: `draft.DraftProposer`)."""
+    if config.method != "ngram":
+        raise ValueError(f"make_proposer builds prompt lookup only, not {config.method!r}")
     return NgramProposer(config.num_speculative_tokens, config.max_ngram)

@@ -49,6 +49,7 @@ _WORKER_GAUGES = {
     "spec_proposed_tokens": "Speculative decoding: tokens proposed since start",
     "spec_accepted_tokens": "Speculative decoding: proposed tokens accepted since start",
     "spec_emitted_tokens": "Speculative decoding: tokens emitted by verify rows since start",
+    "spec_draft_forward_us": "Speculative decoding: the draft model's forward time since start, us",
     "tp_all_reduce_us_per_step": "Tensor parallel: the driver's all-reduce time per step, us",
 }
 

@@ -149,6 +149,38 @@ def make_checkpoint(
     return make
 
 
+@pytest.fixture(scope="session")
+def make_draft(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, int], Path]:
+    """`make_draft(model_dir, layers)`: the checkpoint cut to its first `layers` layers
+    (embedding, final norm, LM head and tokenizer kept), a draft model for speculative
+    decoding that agrees with its target often but not always. Cached per session."""
+    built: dict[tuple[Path, int], Path] = {}
+
+    def make(model_dir: Path, layers: int = 1) -> Path:
+        from safetensors.torch import load_file, save_file
+
+        if (model_dir, layers) in built:
+            return built[model_dir, layers]
+        out = tmp_path_factory.mktemp("draft") / f"{model_dir.name}-{layers}-layers"
+        out.mkdir()
+        for f in model_dir.iterdir():
+            if f.is_file() and f.name != "model.safetensors":
+                shutil.copyfile(f, out / f.name)
+        tensors = load_file(model_dir / "model.safetensors")
+        kept = {
+            k: v
+            for k, v in tensors.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+        }
+        save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+        built[model_dir, layers] = out
+        return out
+
+    return make
+
+
 def _build_checkpoint(out: Path, demo_dir: Path, **args: Any) -> None:
     import torch
     import transformers

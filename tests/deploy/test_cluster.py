@@ -34,12 +34,15 @@ LEASE_S = 3.0
 CLUSTERS = {
     # First: its answers are the reference of the disaggregated clusters' logprobs.
     # API keys on (every client of this module sends API_KEY).
-    # Speculation on (prompt lookup, every proposal verified) in one cluster of each
-    # mode: every test here then holds it to the reference tokens too.
+    # Speculation on (every proposal verified) in every cluster, prompt lookup in one of
+    # each mode and a draft model (the model's first layer) in the third: every test here
+    # then holds it to the reference tokens too, the draft's in disaggregated mode (its
+    # KV built on the decode worker over prompt KV imported from a prefill worker).
     "colocated": ("--mode", "colocated", "--api-keys-file", "{keys}", "--speculative", SPEC),
     # Pinned pools: prefill on the first CPU, decode on the last (the same one on 1 CPU).
     "disagg-grpc": (
         *("--mode", "disagg", "--transport", "grpc"),
+        *("--speculative", "draft:{draft},k=4,adaptive=off"),
         *("--prefill-cpus", str(min(os.sched_getaffinity(0)))),
         *("--decode-cpus", str(max(os.sched_getaffinity(0)))),
     ),
@@ -80,12 +83,14 @@ def model_dir(make_checkpoint: Any) -> Path:
 def cluster(
     request: pytest.FixtureRequest,
     model_dir: Path,
+    make_draft: Any,
     pdserve_up: Any,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, str]]:
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"{API_KEY}\n")
-    flags = [flag.format(keys=keys) for flag in CLUSTERS[request.param]]
+    draft = make_draft(model_dir, 1)
+    flags = [flag.format(keys=keys, draft=draft) for flag in CLUSTERS[request.param]]
     with pdserve_up(model_dir, *COMMON, *flags) as url:
         yield request.param, url
 
@@ -368,29 +373,44 @@ def _local_prefills(url: str) -> float:
     )
 
 
-@pytest.mark.parametrize("cluster", ["colocated", "disagg-ucx"], indirect=True)
 def test_speculation_proposes_and_keeps_the_tokens(
     cluster: tuple[str, str], model_dir: Path, hf_greedy: Any
 ) -> None:
     """The decode pool speculates (`--speculative`): a prompt that repeats itself gets
-    proposals from its own text, verified in the running batch, and the tokens are still
-    exactly `transformers`' greedy ones."""
+    proposals from its own text (or the draft model's), verified in the running batch,
+    and the tokens are still exactly `transformers`' greedy ones."""
     name, url = cluster
     rng = random.Random(9)
     part = [rng.randrange(5, 512) for _ in range(12)]
     prompt = part * 3
     (want,) = hf_greedy(model_dir, [prompt], 32)
 
-    def proposed() -> int:
-        return sum(w.get("spec_proposed_tokens", 0) for w in decode_workers(url))
+    def counted(gauge: str) -> int:
+        return sum(w.get(gauge, 0) for w in decode_workers(url))
 
-    before = proposed()
+    gauges = ("spec_proposed_tokens", "spec_accepted_tokens", "spec_draft_forwards")
+    before = {g: counted(g) for g in gauges}
     c = client(url)
     out = greedy(c, c.models.list().data[0].id, prompt, max_tokens=32)
     assert out.choices[0].model_extra["token_ids"] == want, name
-    assert proposed() > before, "the decode worker proposed nothing"
+    assert counted("spec_proposed_tokens") > before["spec_proposed_tokens"], "nothing proposed"
     assert all("spec_proposed_tokens" in w for w in decode_workers(url))
+    if name == "disagg-grpc":  # the draft model proposed, and its first layer agrees often
+        assert counted("spec_draft_forwards") > before["spec_draft_forwards"]
+        assert counted("spec_accepted_tokens") > before["spec_accepted_tokens"]
+        deadline = time.monotonic() + 10.0  # /metrics shows the index's last snapshot
+        while time.monotonic() < deadline and not metric_total(url, DRAFT_US):
+            pass
+        assert metric_total(url, DRAFT_US) > 0, "no draft time on /metrics"
     assert_workers_idle(url)
+
+
+DRAFT_US = "pdserve_worker_spec_draft_forward_us"
+
+
+def metric_total(url: str, name: str) -> float:
+    """The sum of every series of `name` on /metrics."""
+    return sum(v for (sample_name, _), v in scrape_metrics(url).items() if sample_name == name)
 
 
 def decode_workers(url: str) -> list[dict[str, Any]]:

@@ -69,7 +69,7 @@ def test_speculative_config_parses(spec: str, k: int, n: int) -> None:
         ("ngram:adaptive=on,adaptive=off", "adaptive is given twice"),
         ("ngram:k=2,k=3", "k is given twice"),
         ("medusa:k=2", "unknown method 'medusa'"),
-        ("draft:/models/tiny,k=4", "draft-model proposals are not implemented yet"),
+        ("draft:k=4", "the draft model's folder must come first"),
     ],
 )
 def test_speculative_config_refuses_clearly(spec: str, message: str) -> None:
