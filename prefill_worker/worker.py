@@ -61,9 +61,7 @@ class PrefillWorker:
         self.cluster_token = cluster_token
         self.transfer_timeout_s = transfer_timeout_s
         self.lease_ms = lease_ms
-        self.layout = layout_of(
-            engine.engine.runner.kv_cache, engine.engine.config.kv_cache_dtype
-        )
+        self.layout = layout_of(engine.engine.runner.kv_cache, engine.engine.config.kv_cache_dtype)
         # prompt tokens per busy second, published with each heartbeat: the router's
         # estimate of how long this worker's queue takes (placement, admission)
         self.rate = RateMeter()
