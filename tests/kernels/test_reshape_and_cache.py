@@ -159,6 +159,17 @@ def test_quantized_rows_are_kv_quants_bytes(kv_dtype: str, dtype: torch.dtype, d
     """The kernel's 8-bit rows equal engine/kv_quant.py's `quantize`, byte for byte (an int8
     tie, an e4m3 subnormal, a scale's bf16 rounding are all exact); padding and other
     slots keep their bytes."""
+    run_quantized_case(kv_dtype, dtype, device)
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_rows_are_kv_quants_bytes_bf16_gpu(kv_dtype: str) -> None:
+    """The GPU twin of test_quantized_rows_are_kv_quants_bytes, from bf16 K/V."""
+    run_quantized_case(kv_dtype, torch.bfloat16, "cuda")
+
+
+def run_quantized_case(kv_dtype: str, dtype: torch.dtype, device: str) -> None:
     gen = torch.Generator().manual_seed(0)
     num_kv_heads, head_dim, block_size, num_blocks = 3, 20, 4, 6
     special = special_rows(head_dim, kv_dtype, dtype, gen)  # one row per (token, head) below
@@ -180,15 +191,17 @@ def test_quantized_rows_are_kv_quants_bytes(kv_dtype: str, dtype: torch.dtype, d
     k_ref, v_ref = k_cache0.clone(), v_cache0.clone()
 
     def quantize(t: torch.Tensor) -> torch.Tensor:
-        return kv_quant.quantize(t, kv_dtype)
+        # NOTE: on the CPU, the format's definition: torch on CUDA divides by QMAX as a
+        # multiplication by its reciprocal, which can round a scale differently
+        return kv_quant.quantize(t.cpu(), kv_dtype).to(t.device)
 
     ref_reshape_and_cache(k, v, k_ref, v_ref, slot_mapping, quantize)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     assert not torch.equal(k_cache, k_cache0)
     # the special rows were written, and read back within their format's rounding
     block, offset = slots[1] // block_size, slots[1] % block_size
-    row = kv_quant.quantize(k[1].float(), kv_dtype)
-    assert torch.equal(k_cache[block, :, offset], row.to(device))
+    row = kv_quant.quantize(k[1].float().cpu(), kv_dtype)
+    assert torch.equal(k_cache[block, :, offset].cpu(), row)
 
 
 def test_rejects_bad_8bit_caches(device: str) -> None:
