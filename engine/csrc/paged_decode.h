@@ -262,11 +262,10 @@ static inline v16sf vload_i8(const uint8_t *p) {
     const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
     __builtin_memcpy(&f, &w, sizeof f);
 #elif defined(__AVX2__)
-    __m128i c[2];
-    __builtin_memcpy(&c[0], p, 8);
-    __builtin_memcpy(&c[1], p + 8, 8);
-    const __m256 w[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c[0])),
-                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c[1]))};
+    const __m128i lo = _mm_loadl_epi64((const __m128i *)p); /* 8 bytes, unaligned */
+    const __m128i hi = _mm_loadl_epi64((const __m128i *)(p + 8));
+    const __m256 w[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))};
     __builtin_memcpy(&f, w, sizeof f);
 #else
     v16qi c;
