@@ -343,8 +343,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend with decode rows on the compiled CPU kernel (`cpu_kernels`).
 
     Prefill stays on SDPA (compute-bound there, and SDPA does it well); decode rows read
-    K/V straight from their blocks, with no gathered copy. Chosen only for a dtype the
-    kernel takes (`make_attention_backend`).
+    K/V straight from their blocks, with no gathered copy (an 8-bit cache's rows are
+    dequantized as the kernel reads them). Chosen only for a dtype and KV cache format
+    the kernel takes (`make_attention_backend`).
     """
 
     name = "cpu"
@@ -370,6 +371,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             decode.context_lens,
             scale,
             num_threads=torch.get_num_threads(),
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def _decode_groups(

@@ -1,14 +1,17 @@
 """CPU kernels in C, compiled on first use with the machine's C compiler, called by ctypes.
 
 Only what torch has no good CPU kernel for: decode attention over the paged KV cache
-(`csrc/paged_decode.c`). SDPA's CPU kernel pays a fixed cost per (sequence, KV head)
+(`csrc/paged_decode.h`), over a cache of the model's dtype (`csrc/paged_decode.c`) or an
+8-bit one (`csrc/paged_decode_kv8.c`, engine/kv_quant.py: the rows are dequantized as
+they are read, never copied). SDPA's CPU kernel pays a fixed cost per (sequence, KV head)
 and needs the blocks gathered into a padded copy first; at head_dim 32-128 with a few
 query heads per KV head that ran at 2-4 GB/s, against the 13 GB/s a copy reaches here.
 
 The shared object is built once per source, compiler flags and CPU into a cache folder
 (`$PDSERVE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/pdserve/kernels`, else
-`~/.cache/pdserve/kernels`); concurrent builders each write a private file and rename
-it into place. `PDSERVE_CPU_KERNELS=0` turns the kernels off. Without a compiler, or if
+`~/.cache/pdserve/kernels`): the two source files compile in parallel (about 9 s of CPU
+each here), then link; concurrent builders each write a private file and rename it into
+place. `PDSERVE_CPU_KERNELS=0` turns the kernels off. Without a compiler, or if
 the build fails, `load()` returns None and callers keep the torch path: the kernels make
 things faster, never possible.
 """
@@ -29,14 +32,25 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine import kv_quant
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC"]
+_CSRC = Path(__file__).with_name("csrc")
+_HEADER = _CSRC / "paged_decode.h"
+_SOURCES = (_CSRC / "paged_decode.c", _CSRC / "paged_decode_kv8.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC"]
 _BUILD_TIMEOUT_S = 120.0
-_FUNCTIONS = {torch.float32: "pd_decode_f32", torch.bfloat16: "pd_decode_bf16"}
+_QUERY_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 if platform.machine() in ("x86_64", "AMD64"):
-    _FUNCTIONS[torch.float16] = "pd_decode_f16"  # _Float16 is an x86-64/arm64 gcc type
+    _QUERY_NAMES[torch.float16] = "f16"  # _Float16 is an x86-64/arm64 gcc type
+# EngineConfig.kv_cache_dtype -> the C kernels' name suffix (csrc/paged_decode_kv8.c)
+_CODE_NAMES = {"auto": "", "int8": "_i8", "fp8": "_e4m3"}
+_FUNCTIONS = {
+    (dtype, kv): f"pd_decode_{q}{code}"
+    for dtype, q in _QUERY_NAMES.items()
+    for kv, code in _CODE_NAMES.items()
+}
 
 
 def _cache_dir() -> Path:
@@ -75,36 +89,49 @@ def _build(compiler: str) -> Path:
     openmp = _openmp_runtime()
     flags = [*_FLAGS, "-fopenmp"] if openmp else _FLAGS
     link = [str(openmp), f"-Wl,-rpath,{openmp.parent}"] if openmp else []
-    source = _SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in (_HEADER, *_SOURCES)]
     key = hashlib.sha256(
-        b"\0".join([source, " ".join([compiler, *flags, *link]).encode(), _cpu_id().encode()])
+        b"\0".join([*sources, " ".join([compiler, *flags, *link]).encode(), _cpu_id().encode()])
     ).hexdigest()[:24]
     target = _cache_dir() / f"paged_decode-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *flags, "-o", tmp, str(_SOURCE), *link, "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=_BUILD_TIMEOUT_S,
-        )
-        os.replace(tmp, target)  # atomic: a concurrent builder's file is equal
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = [str(Path(tmp) / f"{src.stem}.o") for src in _SOURCES]
+        # the sources compile at once (two cores halve the first start), then link
+        pairs = zip(_SOURCES, objects, strict=True)
+        _run_all([[compiler, *flags, "-c", "-o", obj, str(src)] for src, obj in pairs])
+        library = str(Path(tmp) / "paged_decode.so")
+        _run_all([[compiler, *flags, "-shared", "-o", library, *objects, *link, "-lm"]])
+        os.replace(library, target)  # atomic: a concurrent builder's file is equal
     return target
 
 
+def _run_all(commands: list[list[str]]) -> None:
+    """Run the commands concurrently; raise CalledProcessError (with the compiler's
+    stderr) for the first that fails, TimeoutExpired past _BUILD_TIMEOUT_S."""
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for cmd in commands
+    ]
+    try:
+        for cmd, proc in zip(commands, procs, strict=True):
+            _, stderr = proc.communicate(timeout=_BUILD_TIMEOUT_S)
+            if proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=stderr)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 class CpuKernels:
-    """The loaded library: `paged_decode` and the dtypes it takes."""
+    """The loaded library: `paged_decode` and the dtypes and KV cache formats it takes."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {}
-        for dtype, name in _FUNCTIONS.items():
+        for key, name in _FUNCTIONS.items():
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [
@@ -116,10 +143,10 @@ class CpuKernels:
                 ctypes.c_float,  # scale
                 ctypes.c_int,  # threads
             ]
-            self._fns[dtype] = fn
-        self.dtypes = frozenset(self._fns)
+            self._fns[key] = fn
+        self.dtypes = frozenset(dtype for dtype, _ in self._fns)
         # KV cache formats (EngineConfig.kv_cache_dtype) the decode kernel reads
-        self.kv_cache_dtypes = frozenset({"auto"})
+        self.kv_cache_dtypes = frozenset(kv for _, kv in self._fns)
 
     def takes(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> bool:
         """Whether `paged_decode` runs for a model of `dtype` over a `kv_cache_dtype` cache."""
@@ -128,16 +155,24 @@ class CpuKernels:
     def paged_decode(
         self,
         q: torch.Tensor,  # [B, H, D]
-        k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D]
+        k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, D] (8-bit: D + 2 uint8)
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,  # [B, max_blocks] int32
         context_lens: torch.Tensor,  # [B] int32, each >= 1
         scale: float,
         num_threads: int = 1,
+        kv_cache_dtype: str = "auto",
     ) -> torch.Tensor:
-        """Attention of each row's one query token over its whole context: [B, H, D]."""
-        fn = self._fns[q.dtype]
-        _check(q, k_cache, v_cache, block_tables, context_lens)
+        """Attention of each row's one query token over its whole context: [B, H, D].
+
+        `kv_cache_dtype` "auto": the cache holds q's dtype; "int8" / "fp8": uint8 rows of
+        D codes and a bfloat16 scale (engine/kv_quant.py), read as `code * scale`."""
+        if not self.takes(q.dtype, kv_cache_dtype):
+            raise ValueError(
+                f"paged_decode does not take q of {q.dtype} with kv_cache_dtype={kv_cache_dtype}"
+            )
+        fn = self._fns[q.dtype, kv_cache_dtype]
+        _check(q, k_cache, v_cache, block_tables, context_lens, kv_cache_dtype)
         batch, num_heads, head_dim = q.shape
         _, kv_heads, block_size, _ = k_cache.shape
         out = torch.empty_like(q)
@@ -167,15 +202,26 @@ class CpuKernels:
 
 
 def _check(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bt: torch.Tensor, cl: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bt: torch.Tensor,
+    cl: torch.Tensor,
+    kv_cache_dtype: str,
 ) -> None:
     if q.device.type != "cpu" or not all(t.is_contiguous() for t in (q, k, v, cl)):
         raise ValueError("paged_decode takes contiguous CPU tensors")
     if bt.dtype != torch.int32 or cl.dtype != torch.int32 or bt.stride(1) != 1:
         raise ValueError("block_tables and context_lens must be int32, rows contiguous")
-    if k.dtype != q.dtype or v.dtype != q.dtype or k.shape != v.shape:
-        raise ValueError("q, k_cache and v_cache must share dtype; K and V their shape")
-    if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[3]:
+    quantized = kv_quant.is_quantized(kv_cache_dtype)
+    cache_dtype = torch.uint8 if quantized else q.dtype
+    if k.dtype != cache_dtype or v.dtype != cache_dtype or k.shape != v.shape:
+        raise ValueError(
+            f"k_cache and v_cache must be {cache_dtype} for q of {q.dtype} and"
+            f" kv_cache_dtype={kv_cache_dtype} (share dtype), K and V one shape"
+        )
+    row = q.shape[2] + kv_quant.SCALE_BYTES if quantized else q.shape[2]
+    if q.shape[1] % k.shape[1] or k.shape[3] != row:
         raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {tuple(k.shape)}")
 
 

@@ -35,7 +35,7 @@ kernels read them back from the cache): the model is "the model with its K/V rou
 8 bits", whatever the batch, chunking or placement. Tests compare it, token for token,
 with `transformers` running the same rounding (`fake_quantize` on its K/V).
 
-Plain torch here; the C decode kernel (engine/csrc/paged_decode.c) and the Triton kernels
+Plain torch here; the C decode kernel (engine/csrc/paged_decode_kv8.c) and the Triton kernels
 (kernels/) read the same rows.
 """
 

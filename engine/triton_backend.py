@@ -7,7 +7,10 @@ Triton kernels (`engine/ops.py`), and on CUDA decode steps replay as CUDA graphs
 Selected automatically on CUDA (`EngineConfig.attention_backend="auto"`), or explicitly
 with `"triton"`. On CPU it runs only under `TRITON_INTERPRET=1` (tests); the torch
 backend (`engine/attention.py`) is the CPU path. Outputs equal the torch backend's up
-to float rounding (tests/kernels/test_backend.py).
+to float rounding (tests/kernels/test_backend.py), with an 8-bit KV cache too
+(`kv_cache_dtype` int8 / fp8, engine/kv_quant.py): `reshape_and_cache` writes the rows
+kv_quant.quantize would, byte for byte, and both attention kernels dequantize the rows as
+they read them, the chunk's own fresh tokens included.
 """
 
 from __future__ import annotations
@@ -26,10 +29,6 @@ class TritonAttentionBackend(AttentionBackend):
     uses_triton_ops = True  # the model's norms and rotary run in kernels/ too
 
     def __init__(self, kv_cache_dtype: str = "auto") -> None:
-        if kv_cache_dtype != "auto":  # the 8-bit kernels are not built yet
-            raise ValueError(
-                f"the Triton attention backend does not take kv_cache_dtype={kv_cache_dtype}"
-            )
         self.kv_cache_dtype = kv_cache_dtype
 
     def forward(
@@ -42,7 +41,8 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        kv_dtype = self.kv_cache_dtype
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv_dtype)
         num_prefill = meta.num_prefill_tokens
         parts = []
         if meta.prefill_batch is not None:
@@ -58,6 +58,7 @@ class TritonAttentionBackend(AttentionBackend):
                     batch.context_lens,
                     scale,
                     max_query_len=max_query_len,
+                    kv_cache_dtype=kv_dtype,
                 )
             )
         if meta.decode is not None:
@@ -70,6 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
                     decode.block_tables,
                     decode.context_lens,
                     scale,
+                    kv_cache_dtype=kv_dtype,
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -25,7 +25,9 @@ layer 1, ... The block order is the order of block_ids, i.e. the sequence's orde
 receiver scatters buffer block i into its own block id for that position.
 
 Both directions are a pure byte copy: the kernel moves the bits through an integer view of the
-same item size, so any dtype works (fp32, fp16, bf16, fp8) and NaN payloads survive unchanged.
+same item size, so any dtype works (fp32, fp16, bf16, fp8) and NaN payloads survive unchanged;
+an 8-bit KV cache (engine/kv_quant.py: uint8 rows of codes and their scale) moves as bytes,
+its scales inside their blocks.
 
 Limits: both sides must agree on dtype and on (num_layers, num_kv_heads, block_size, head_dim);
 block ids are range-checked (one small device sync); kv_unpack rejects repeated block ids (two

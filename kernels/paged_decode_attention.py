@@ -7,7 +7,9 @@ block table (the GQA order of transformers' `repeat_kv`).
 
 Memory layout (one layer, the engine's convention, see `engine/attention.py`):
     q             [B, H, D]                  fp16 / bf16 / fp32, any strides
-    k/v_cache     [num_blocks, KVH, block_size, D], same dtype as q, any strides
+    k/v_cache     [num_blocks, KVH, block_size, D], same dtype as q, any strides;
+                  or 8-bit (`kv_cache_dtype` "int8" / "fp8", engine/kv_quant.py):
+                  [num_blocks, KVH, block_size, D + 2] uint8 rows, D codes + a bf16 scale
     block_tables  [B, max_blocks] int32      entries past a sequence's end may be any
                                              valid block id (never read)
     context_lens  [B] int32                  tokens attended to, the new one included
@@ -19,6 +21,10 @@ are a `tl.dot`), so K/V are read once per group, not once per query head. It wal
 tokens in tiles of BLOCK_N, gathering each token's block id from the block table (a tile
 may straddle pages; the block size is independent of BLOCK_N), and keeps an online
 softmax in fp32 (running max, running sum, unnormalised accumulator).
+An 8-bit cache is dequantized as it is read (kernels/_kv8.py): the codes convert to q's
+dtype exactly, the dot takes them, and each token's scale multiplies its column of
+scores (K) and of probabilities (V, before they round to q's dtype for P @ V); its rows
+are 2-byte aligned, so the code loads are bytewise (kernels/_kv8.py says what that costs).
 With one split the program normalises and writes `out`. With NUM_SPLITS > 1
 (flash-decoding split-K) each sequence's context is cut into NUM_SPLITS page-aligned
 ranges, each program writes its partial (max, sum, acc) in fp32 to a scratch buffer, and
@@ -46,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import _kv8
 from pdserve.kernels._checks import check_attention_inputs, check_device
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -105,6 +112,8 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton args stay un
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # 0: K/V of q's dtype; 1 / 2: int8 / e4m3 rows (kernels/_kv8.py)
+    FP8_NATIVE: tl.constexpr,  # e4m3 codes through Triton's float8e4nv (sm_89+, interpreter)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,14 +152,16 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton args stay un
         block_ids = block_ids.to(tl.int64)
         offs_in_block = offs_tok % BLOCK_SIZE
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k_ptrs = (
-            k_head_ptr
-            + block_ids[:, None] * stride_k_blk
-            + offs_in_block[:, None] * stride_k_tok
-            + offs_d[None, :] * stride_k_d
-        )
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        k_rows = k_head_ptr + block_ids * stride_k_blk + offs_in_block * stride_k_tok  # [BLOCK_N]
+        k_ptrs = k_rows[:, None] + offs_d[None, :] * stride_k_d
+        if KV_QUANT:
+            k_codes = tl.load(k_ptrs, mask=kv_mask, other=0)  # [BLOCK_N, BLOCK_D] uint8
+            k = _kv8.codes_to(k_codes, KV_QUANT, FP8_NATIVE, q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+            qk = qk * _kv8.row_scales(k_rows, HEAD_DIM, stride_k_d, mask_n)[None, :] * qk_scale
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -158,14 +169,16 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton args stay un
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v_ptrs = (
-            v_head_ptr
-            + block_ids[:, None] * stride_v_blk
-            + offs_in_block[:, None] * stride_v_tok
-            + offs_d[None, :] * stride_v_d
-        )
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v_rows = v_head_ptr + block_ids * stride_v_blk + offs_in_block * stride_v_tok
+        v_ptrs = v_rows[:, None] + offs_d[None, :] * stride_v_d
+        if KV_QUANT:
+            v_codes = tl.load(v_ptrs, mask=kv_mask, other=0)
+            v = _kv8.codes_to(v_codes, KV_QUANT, FP8_NATIVE, q.dtype)
+            pv = p * _kv8.row_scales(v_rows, HEAD_DIM, stride_v_d, mask_n)[None, :]
+        else:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out_mask = mask_g[:, None] & mask_d[None, :]
@@ -247,19 +260,23 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
     num_splits: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV cache.
 
     Args:
         q: the new token's queries, [B, H, D].
         k_cache, v_cache: one layer's paged cache, [num_blocks, KVH, block_size, D],
-            same dtype and device as `q`; H must be a multiple of KVH.
+            same dtype and device as `q` (8-bit: uint8 [..., D + 2]); H must be a
+            multiple of KVH.
         block_tables: int32 [B, max_blocks], the physical block ids of each sequence.
         context_lens: int32 [B], tokens attended to per sequence (the new one included);
             must not exceed max_blocks * block_size (not checked: it would sync).
         scale: softmax scale, usually D ** -0.5.
         num_splits: split-K factor; None picks one from batch size and the longest
             context the block tables can describe (no device sync), 1 disables split-K.
+        kv_cache_dtype: "auto" (the cache holds q's dtype), or "int8" / "fp8": rows of
+            D codes and their bfloat16 scale (engine/kv_quant.py).
 
     Returns:
         [B, H, D] in q's dtype.
@@ -267,7 +284,7 @@ def paged_decode_attention(
     Raises:
         ValueError: on inconsistent shapes, dtypes or devices.
     """
-    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens, kv_cache_dtype)
     if num_splits is not None and (isinstance(num_splits, bool) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     batch, num_heads, head_dim = q.shape
@@ -320,6 +337,8 @@ def paged_decode_attention(
         # IEEE fp32 dots for fp32 (TF32 would cost an fp32 model its exactness); the
         # backend's default for fp16/bf16, where precision options do not apply.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        KV_QUANT=_kv8.KV_QUANT[kv_cache_dtype],
+        FP8_NATIVE=_kv8.fp8_native(q.device),
         enable_fp_fusion=True,  # FMAs; explicit because Triton 3.10 flips the default
         num_warps=num_warps,
     )
@@ -363,8 +382,9 @@ def _check_inputs(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    kv_cache_dtype: str,
 ) -> None:
-    check_attention_inputs(q, k_cache, v_cache, _SUPPORTED_DTYPES, _MAX_HEAD_DIM)
+    check_attention_inputs(q, k_cache, v_cache, _SUPPORTED_DTYPES, _MAX_HEAD_DIM, kv_cache_dtype)
     batch = q.shape[0]
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError(

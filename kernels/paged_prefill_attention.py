@@ -12,7 +12,9 @@ prefix.
 
 Memory layout (one layer, the engine's convention, see `engine/attention.py`):
     q                [T, H, D]             fp16 / bf16 / fp32, any strides; T = sum of Q
-    k/v_cache        [num_blocks, KVH, block_size, D], same dtype as q, any strides
+    k/v_cache        [num_blocks, KVH, block_size, D], same dtype as q, any strides;
+                     or 8-bit (`kv_cache_dtype` "int8" / "fp8", engine/kv_quant.py):
+                     [num_blocks, KVH, block_size, D + 2] uint8 rows, D codes + a bf16 scale
     block_tables     [S, max_blocks] int32 entries past a sequence's end are never read
     query_start_loc  [S + 1] int32         cumulative query lengths, starting at 0
     context_lens     [S] int32             N per sequence, N >= Q (not checked: it would sync)
@@ -25,7 +27,9 @@ gathering every key's block id from the block table (a tile may straddle pages),
 an online softmax in fp32. The causal mask is applied to every tile (cheap next to the
 dots); prefix tiles could skip it, a possible optimisation. K/V are re-read once per
 query head of a GQA group: prefill is compute-bound, so this trades a little bandwidth
-for a simple grid.
+for a simple grid. An 8-bit cache is dequantized as it is read, as in the decode kernel
+(kernels/paged_decode_attention.py, kernels/_kv8.py): the chunk's own new tokens too, read
+back from the cache, so they are seen as the cache holds them (engine/kv_quant.py).
 
 Limits: D <= 256 (padded to a power of two >= 16 and masked, so 40, 80, 96 work); any
 block size (tested with powers of two); exp2 with log2(e) folded into the scale. fp32
@@ -46,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import _kv8
 from pdserve.kernels._checks import check_attention_inputs, check_device
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -90,6 +95,8 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton args stay u
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # 0: K/V of q's dtype; 1 / 2: int8 / e4m3 rows (kernels/_kv8.py)
+    FP8_NATIVE: tl.constexpr,  # e4m3 codes through Triton's float8e4nv (sm_89+, interpreter)
 ):
     tile_m = tl.program_id(0) * BLOCK_M
     seq = tl.program_id(1)
@@ -132,14 +139,16 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton args stay u
         block_ids = block_ids.to(tl.int64)
         offs_in_block = offs_tok % BLOCK_SIZE
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k_ptrs = (
-            k_head_ptr
-            + block_ids[:, None] * stride_k_blk
-            + offs_in_block[:, None] * stride_k_tok
-            + offs_d[None, :] * stride_k_d
-        )
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        k_rows = k_head_ptr + block_ids * stride_k_blk + offs_in_block * stride_k_tok  # [BLOCK_N]
+        k_ptrs = k_rows[:, None] + offs_d[None, :] * stride_k_d
+        if KV_QUANT:
+            k_codes = tl.load(k_ptrs, mask=kv_mask, other=0)  # [BLOCK_N, BLOCK_D] uint8
+            k = _kv8.codes_to(k_codes, KV_QUANT, FP8_NATIVE, q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            qk = qk * _kv8.row_scales(k_rows, HEAD_DIM, stride_k_d, mask_n)[None, :] * qk_scale
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         causal = (offs_tok[None, :] <= positions[:, None]) & mask_n[None, :]
         qk = tl.where(causal, qk, float("-inf"))
 
@@ -148,14 +157,16 @@ def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton args stay u
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v_ptrs = (
-            v_head_ptr
-            + block_ids[:, None] * stride_v_blk
-            + offs_in_block[:, None] * stride_v_tok
-            + offs_d[None, :] * stride_v_d
-        )
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v_rows = v_head_ptr + block_ids * stride_v_blk + offs_in_block * stride_v_tok
+        v_ptrs = v_rows[:, None] + offs_d[None, :] * stride_v_d
+        if KV_QUANT:
+            v_codes = tl.load(v_ptrs, mask=kv_mask, other=0)
+            v = _kv8.codes_to(v_codes, KV_QUANT, FP8_NATIVE, q.dtype)
+            pv = p * _kv8.row_scales(v_rows, HEAD_DIM, stride_v_d, mask_n)[None, :]
+        else:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     acc = acc / l_i[:, None]
@@ -172,13 +183,15 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # [S] int32
     scale: float,
     max_query_len: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged cache (prefix included).
 
     Args:
         q: the new tokens' queries of all sequences, flat, [T, H, D].
         k_cache, v_cache: one layer's paged cache, [num_blocks, KVH, block_size, D], same
-            dtype and device as `q`, already holding the new tokens' K/V.
+            dtype and device as `q` (8-bit: uint8 [..., D + 2]), already holding the new
+            tokens' K/V.
         block_tables: int32 [S, max_blocks], the physical block ids of each sequence.
         query_start_loc: int32 [S + 1], sequence s owns rows [qsl[s], qsl[s + 1]).
         context_lens: int32 [S], tokens of each sequence in the cache (prefix + new);
@@ -186,6 +199,8 @@ def paged_prefill_attention(
         scale: softmax scale, usually D ** -0.5.
         max_query_len: the longest query length, if the caller knows it; None reads it
             from `query_start_loc` (one device sync).
+        kv_cache_dtype: "auto" (the cache holds q's dtype), or "int8" / "fp8": rows of
+            D codes and their bfloat16 scale (engine/kv_quant.py).
 
     Returns:
         [T, H, D] in q's dtype.
@@ -193,7 +208,7 @@ def paged_prefill_attention(
     Raises:
         ValueError: on inconsistent shapes, dtypes or devices.
     """
-    _check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
+    _check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, kv_cache_dtype)
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
@@ -231,6 +246,8 @@ def paged_prefill_attention(
         # IEEE fp32 dots for fp32 (TF32 would cost an fp32 model its exactness); the
         # backend's default for fp16/bf16, where precision options do not apply.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        KV_QUANT=_kv8.KV_QUANT[kv_cache_dtype],
+        FP8_NATIVE=_kv8.fp8_native(q.device),
         enable_fp_fusion=True,  # FMAs; explicit because Triton 3.10 flips the default
         num_warps=num_warps,
     )
@@ -244,8 +261,9 @@ def _check_inputs(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
+    kv_cache_dtype: str,
 ) -> None:
-    check_attention_inputs(q, k_cache, v_cache, _SUPPORTED_DTYPES, _MAX_HEAD_DIM)
+    check_attention_inputs(q, k_cache, v_cache, _SUPPORTED_DTYPES, _MAX_HEAD_DIM, kv_cache_dtype)
     num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
     if context_lens.dtype != torch.int32 or num_seqs < 0:
         raise ValueError(

@@ -4,8 +4,10 @@ The kernel reads K/V in place from their blocks; the reference gathers each sequ
 blocks and runs float32 softmax attention, one sequence at a time. Shapes cover the
 vector path (head_dim a multiple of 16, specialised and generic query-group sizes) and
 the scalar path (any other head_dim), partial and single-token contexts, block sizes
-below and above 16, and 1-3 threads. The engine-level check runs the same greedy batch
-through the cpu and the torch backends.
+below and above 16, and 1-3 threads, over caches of the query's dtype and 8-bit ones
+(engine/kv_quant.py: int8 and e4m3 codes, each row with its own scale), which the
+reference reads dequantized. The engine-level check runs the same greedy batch through
+the cpu and the torch backends.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.engine import LLM, SamplingParams, cpu_kernels
+from pdserve.engine import LLM, SamplingParams, cpu_kernels, kv_quant
+from pdserve.engine.attention import (
+    AttentionMetadata,
+    CpuAttentionBackend,
+    DecodeMeta,
+    TorchAttentionBackend,
+)
 from pdserve.engine.llm_engine import make_attention_backend
 
 KERNELS = cpu_kernels.load()
@@ -30,7 +38,11 @@ def reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
+    if kv_quant.is_quantized(kv_cache_dtype):  # exact in float32: codes x bf16 scales
+        k_cache = kv_quant.dequantize(k_cache, kv_cache_dtype, torch.float32)
+        v_cache = kv_quant.dequantize(v_cache, kv_cache_dtype, torch.float32)
     batch, num_heads, head_dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
     groups = num_heads // kv_heads
@@ -56,13 +68,25 @@ def random_case(
     block_size: int,
     lens: list[int],
     seed: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[torch.Tensor, ...]:
+    """q, K/V caches (of `dtype`, or 8-bit rows of `kv_cache_dtype`), tables, lengths."""
     gen = torch.Generator().manual_seed(seed)
     max_blocks = -(-max(lens) // block_size)
     num_blocks = len(lens) * max_blocks + 3
     shape = (num_blocks, kv_heads, block_size, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
+    if kv_quant.is_quantized(kv_cache_dtype):
+        # rows of magnitudes 1e-2..1e1, so that a scale read from the wrong row shows
+        k_cache, v_cache = (
+            kv_quant.quantize(
+                torch.randn(shape, generator=gen)
+                * torch.logspace(-2, 1, 64)[torch.randint(64, (*shape[:3], 1), generator=gen)],
+                kv_cache_dtype,
+            )
+            for _ in range(2)
+        )
     # Each sequence gets distinct blocks in shuffled order; table padding is block 0.
     perm = torch.randperm(num_blocks, generator=gen)
     tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
@@ -75,9 +99,11 @@ def random_case(
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 LENS = [1, 5, 16, 17, 47, 70, 200]
+KV_DTYPES = ["auto", "int8", "fp8"]
 
 
 @needs_kernels
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     ("kv_heads", "groups", "head_dim", "block_size"),
@@ -93,11 +119,18 @@ LENS = [1, 5, 16, 17, 47, 70, 200]
 )
 @pytest.mark.parametrize("threads", [1, 3])
 def test_paged_decode_matches_reference(
-    dtype: torch.dtype, kv_heads: int, groups: int, head_dim: int, block_size: int, threads: int
+    dtype: torch.dtype,
+    kv_heads: int,
+    groups: int,
+    head_dim: int,
+    block_size: int,
+    threads: int,
+    kv_dtype: str,
 ) -> None:
     assert KERNELS is not None
     if dtype not in KERNELS.dtypes:
         pytest.skip(f"{dtype} kernel not built on this architecture")
+    assert KERNELS.takes(dtype, kv_dtype)
     q, k_cache, v_cache, tables, lens = random_case(
         dtype=dtype,
         kv_heads=kv_heads,
@@ -105,34 +138,49 @@ def test_paged_decode_matches_reference(
         head_dim=head_dim,
         block_size=block_size,
         lens=LENS,
+        kv_cache_dtype=kv_dtype,
     )
     scale = head_dim**-0.5
-    out = KERNELS.paged_decode(q, k_cache, v_cache, tables, lens, scale, num_threads=threads)
-    expected = reference(q, k_cache, v_cache, tables, lens, scale)
+    out = KERNELS.paged_decode(
+        q, k_cache, v_cache, tables, lens, scale, num_threads=threads, kv_cache_dtype=kv_dtype
+    )
+    expected = reference(q, k_cache, v_cache, tables, lens, scale, kv_dtype)
     assert out.dtype == dtype and out.shape == q.shape
-    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=0)
+    # 8-bit rows span magnitudes 1e-2..1e1: the output's own rounding is relative
+    rtol = TOLERANCE[dtype] if kv_dtype != "auto" else 0
+    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=rtol)
 
 
 @needs_kernels
-def test_paged_decode_does_not_read_past_the_context() -> None:
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_paged_decode_does_not_read_past_the_context(kv_dtype: str) -> None:
     # Poison every row beyond each context (rest of its last block, and block 0 that pads
-    # the tables) with NaN: any read of one would turn the output to NaN.
+    # the tables) with NaN (an 8-bit row: its scale): any read of one turns the output NaN.
     q, k_cache, v_cache, tables, lens = random_case(
         dtype=torch.float32, kv_heads=2, groups=4, head_dim=32, block_size=16, lens=[3, 20, 33]
     )
     tables[tables == 0] = int(tables.max()) + 1  # keep block 0 for padding only
     k_cache = torch.cat([k_cache, torch.randn(2, *k_cache.shape[1:])])
     v_cache = torch.cat([v_cache, torch.randn(2, *v_cache.shape[1:])])
+    poison = torch.zeros(k_cache.shape[:3], dtype=torch.bool)  # [blocks, KVH, bs]
     for b, n in enumerate(lens.tolist()):
-        last = int(tables[b, (n - 1) // 16])
-        k_cache[last, :, n % 16 or 16 :] = float("nan")
-        v_cache[last, :, n % 16 or 16 :] = float("nan")
-    k_cache[0], v_cache[0] = float("nan"), float("nan")
+        poison[int(tables[b, (n - 1) // 16]), :, n % 16 or 16 :] = True
+    poison[0] = True
+    if kv_quant.is_quantized(kv_dtype):
+        k_cache, v_cache = (
+            kv_quant.quantize(k_cache, kv_dtype),
+            kv_quant.quantize(v_cache, kv_dtype),
+        )
+        nan = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)
+        k_cache[poison, 32:], v_cache[poison, 32:] = nan, nan
+    else:
+        k_cache[poison], v_cache[poison] = float("nan"), float("nan")
     assert KERNELS is not None
-    out = KERNELS.paged_decode(q, k_cache, v_cache, tables, lens, 0.2)
+    out = KERNELS.paged_decode(q, k_cache, v_cache, tables, lens, 0.2, kv_cache_dtype=kv_dtype)
     assert not out.isnan().any()
-    k_clean, v_clean = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
-    expected = reference(q, k_clean, v_clean, tables, lens, 0.2)
+    k_clean, v_clean = k_cache.clone(), v_cache.clone()
+    k_clean[poison], v_clean[poison] = 0, 0
+    expected = reference(q, k_clean, v_clean, tables, lens, 0.2, kv_dtype)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)
 
 
@@ -155,6 +203,16 @@ def test_paged_decode_rejects_bad_input() -> None:
     odd_blocks = k_cache[:, :, :12].contiguous()  # block size 12: not a power of two
     with pytest.raises(ValueError, match="does not take"):
         kern.paged_decode(q, odd_blocks, odd_blocks, tables, lens, 0.1)
+    rows = kv_quant.quantize(k_cache, "int8")  # [..., 32 + 2] uint8
+    with pytest.raises(ValueError, match="share dtype"):  # 8-bit rows, read as float32
+        kern.paged_decode(q, rows, rows, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="share dtype"):  # float32 rows, read as 8-bit
+        kern.paged_decode(q, k_cache, v_cache, tables, lens, 0.1, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="does not fit"):  # rows without their scale
+        cut = rows[..., :32].contiguous()
+        kern.paged_decode(q, cut, cut, tables, lens, 0.1, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="does not take"):
+        kern.paged_decode(q, rows, rows, tables, lens, 0.1, kv_cache_dtype="int4")
 
 
 def test_disabled_kernels_fall_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,9 +260,44 @@ def test_cpu_backend_tokens_equal_torch_backend(make_checkpoint: Any, dtype: str
 
 
 @needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_cpu_backend_decodes_an_8bit_cache_as_the_torch_backend(kv_dtype: str) -> None:
+    """Both backends write one decode step's K/V into the same 8-bit cache (the same
+    rows, byte for byte) and attend over it: the kernel reads what the torch path
+    dequantizes, to float rounding."""
+    assert KERNELS is not None
+    q, k_cache, v_cache, tables, lens = random_case(
+        dtype=torch.float32,
+        kv_heads=2,
+        groups=2,
+        head_dim=32,
+        block_size=16,
+        lens=LENS,
+        kv_cache_dtype=kv_dtype,
+    )
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(len(LENS), 2, 32, generator=gen) * 5 for _ in range(2))
+    positions = lens.long() - 1  # the new token is each context's last
+    slots = tables.long().gather(1, (positions // 16)[:, None])[:, 0] * 16 + positions % 16
+    decode = DecodeMeta(tables, lens, lens.tolist())
+    outs, caches = {}, {}
+    for backend in (TorchAttentionBackend(kv_dtype), CpuAttentionBackend(KERNELS, kv_dtype)):
+        meta = AttentionMetadata(slots, 0, [], None, decode)
+        cache = (k_cache.clone(), v_cache.clone())
+        outs[backend.name] = backend.forward(q, k, v, cache, meta, 32**-0.5)
+        caches[backend.name] = cache
+    assert all(torch.equal(a, b) for a, b in zip(caches["cpu"], caches["torch"], strict=True))
+    assert not torch.equal(caches["cpu"][0], k_cache)  # the step wrote its rows
+    torch.testing.assert_close(outs["cpu"], outs["torch"], atol=2e-5, rtol=1e-5)
+
+
+@needs_kernels
 def test_backend_choice_follows_the_kernel_dtypes() -> None:
     cpu = torch.device("cpu")
     assert make_attention_backend("auto", cpu, torch.bfloat16).name == "cpu"
+    for kv_dtype in ("int8", "fp8"):  # the kernel reads 8-bit caches too
+        backend = make_attention_backend("auto", cpu, torch.bfloat16, kv_dtype)
+        assert backend.name == "cpu" and backend.kv_cache_dtype == kv_dtype
     assert make_attention_backend("auto", cpu, torch.float64).name == "torch"  # not built
     with pytest.raises(ValueError, match="does not take"):
         make_attention_backend("cpu", cpu, torch.float64)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, kv_quant
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.hashing import hash_block_chain
 from pdserve.engine.kv_staging import KVStaging
@@ -42,9 +42,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def random_cache(dtype: torch.dtype, device: str = "cpu", num_blocks: int = 12) -> torch.Tensor:
     """[layers, 2, blocks, kv_heads, block_size, head_dim] of random values (and a NaN:
-    the handoff moves bits, not numbers)."""
+    the handoff moves bits, not numbers). uint8: an 8-bit cache's rows (engine/kv_quant.py),
+    8 int8 codes and the 2 bytes of their bf16 scale."""
     gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, 2, num_blocks, 2, BLOCK, 8, generator=gen).to(dtype)
+    cache = torch.randn(2, 2, num_blocks, 2, BLOCK, 8, generator=gen)
+    if dtype == torch.uint8:
+        return kv_quant.quantize(cache, "int8").to(device)
+    cache = cache.to(dtype)
     cache[1, 0, 3, 1, 2, 5] = float("nan")
     return cache.to(device)
 
@@ -57,7 +61,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(as_bytes(a), as_bytes(b))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
 def test_kernels_move_the_same_bytes_as_the_torch_path(dtype: torch.dtype) -> None:
     cache = random_cache(dtype)
     ids = [7, 2, 9, 0, 3]
@@ -70,7 +74,7 @@ def test_kernels_move_the_same_bytes_as_the_torch_path(dtype: torch.dtype) -> No
     assert by_kernel.ready() and by_torch.ready()
     packed = by_kernel.wait()
     assert packed.device.type == "cpu" and packed.is_contiguous()
-    assert packed.shape == (2, 2, len(ids), 2, BLOCK, 8) and packed.dtype == dtype
+    assert packed.shape == (2, 2, len(ids), 2, BLOCK, cache.shape[-1]) and packed.dtype == dtype
     assert same_bytes(packed, by_torch.wait())
     assert same_bytes(packed, ref_kv_pack(cache, torch.tensor(ids)))
 

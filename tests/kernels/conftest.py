@@ -69,3 +69,34 @@ def build_paged_kv(
         dense_k,
         dense_v,
     )
+
+
+def quantize_paged_kv(paged: PagedKV, kv_cache_dtype: str) -> PagedKV:
+    """`paged` with its caches as 8-bit rows (engine/kv_quant.py): uint8
+    [num_blocks, KVH, block_size, D + 2]. An unowned (NaN) slot's row gets a NaN scale,
+    so reading it still turns the output NaN."""
+    from pdserve.engine import kv_quant
+
+    k_cache, v_cache, *rest = paged
+    k8, v8 = (kv_quant.quantize(c.float(), kv_cache_dtype) for c in (k_cache, v_cache))
+    assert kv_quant.scales(k8).isnan().any()  # the poison survived
+    return (k8, v8, *rest)  # type: ignore[return-value]
+
+
+def dequantize_cache(cache: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """An 8-bit cache's values in float32 (exact: codes times bf16 scales)."""
+    from pdserve.engine import kv_quant
+
+    return kv_quant.dequantize(cache, kv_cache_dtype, torch.float32)
+
+
+@pytest.fixture
+def quantize_kv() -> Callable[[PagedKV, str], PagedKV]:
+    """`quantize_paged_kv`: a paged cache of conftest's factory as 8-bit rows."""
+    return quantize_paged_kv
+
+
+@pytest.fixture
+def dequantize_kv() -> Callable[[torch.Tensor, str], torch.Tensor]:
+    """`dequantize_cache`: an 8-bit cache's values in float32."""
+    return dequantize_cache

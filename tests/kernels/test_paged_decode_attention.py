@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import _kv8
 from pdserve.kernels.paged_decode_attention import (
     _auto_num_splits,
     paged_decode_attention,
@@ -91,6 +92,83 @@ def test_matches_reference_bf16(case: tuple, device: str, make_paged_kv: MakePag
     run_case(make_paged_kv, *case, dtype=torch.bfloat16, device=device)
 
 
+def run_8bit_case(
+    make_paged_kv: MakePagedKV,
+    quantize_kv: Callable[..., tuple],
+    dequantize_kv: Callable[..., torch.Tensor],
+    case: tuple,
+    kv_dtype: str,
+    dtype: torch.dtype,
+    device: str,
+) -> None:
+    """A case of CASES over an 8-bit cache (engine/kv_quant.py) against the reference over
+    its dequantized values; unowned slots have NaN scales."""
+    context_lens, num_heads, num_kv_heads, block_size, head_dim, num_splits = case
+    paged = make_paged_kv(context_lens, num_kv_heads, head_dim, block_size, torch.float32, device)
+    k8, v8, block_tables, _, _ = quantize_kv(paged, kv_dtype)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(device, dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(
+        q, k8, v8, block_tables, lens, scale, num_splits, kv_cache_dtype=kv_dtype
+    )
+    k, v = dequantize_kv(k8, kv_dtype), dequantize_kv(v8, kv_dtype)
+    expected = ref_paged_decode_attention(q, k, v, block_tables, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+# (case, kv dtype, q dtype): GQA with split-K, an odd head_dim (rows of 42 bytes), fp16
+KV8_CASES = {
+    "int8-gqa4-split4-fp32": ("gqa4-bs8-split4", "int8", torch.float32),
+    "fp8-gqa8-d40-split2-fp32": ("gqa8-d40-split2", "fp8", torch.float32),
+    "fp8-gqa4-bs8-fp16": ("gqa4-bs8", "fp8", torch.float16),
+    "int8-empty-splits-fp16": ("empty-splits", "int8", torch.float16),
+}
+
+
+@pytest.mark.parametrize(("case", "kv_dtype", "dtype"), KV8_CASES.values(), ids=KV8_CASES.keys())
+def test_8bit_cache_matches_reference(
+    case: str,
+    kv_dtype: str,
+    dtype: torch.dtype,
+    device: str,
+    make_paged_kv: MakePagedKV,
+    quantize_kv: Callable[..., tuple],
+    dequantize_kv: Callable[..., torch.Tensor],
+) -> None:
+    run_8bit_case(make_paged_kv, quantize_kv, dequantize_kv, CASES[case], kv_dtype, dtype, device)
+
+
+def test_8bit_cache_e4m3_decoded_arithmetically(
+    device: str,
+    make_paged_kv: MakePagedKV,
+    quantize_kv: Callable[..., tuple],
+    dequantize_kv: Callable[..., torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The e4m3 decoding of GPUs without float8 conversions (before sm_89), in bits."""
+    monkeypatch.setattr(_kv8, "fp8_native", lambda device: False)
+    case = CASES["gqa8-d80-bs8"]
+    run_8bit_case(make_paged_kv, quantize_kv, dequantize_kv, case, "fp8", torch.float32, device)
+
+
+@NEEDS_COMPILED_GPU
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_8bit_cache_matches_reference_bf16(
+    case: tuple,
+    kv_dtype: str,
+    device: str,
+    make_paged_kv: MakePagedKV,
+    quantize_kv: Callable[..., tuple],
+    dequantize_kv: Callable[..., torch.Tensor],
+) -> None:
+    """The GPU twin of test_8bit_cache_matches_reference: every case, bf16 queries."""
+    run_8bit_case(make_paged_kv, quantize_kv, dequantize_kv, case, kv_dtype, torch.bfloat16, device)
+
+
 def test_auto_split_long_context(device: str, make_paged_kv: MakePagedKV) -> None:
     """One long sequence and one kv head: the heuristic splits it, and the result holds."""
     context_len, block_size = 600, 16
@@ -159,3 +237,13 @@ def test_rejects_bad_input(device: str, make_paged_kv: MakePagedKV) -> None:
         paged_decode_attention(q[..., :32], k_cache, v_cache, block_tables, lens, 0.1)
     with pytest.raises(ValueError, match="num_splits"):
         paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, num_splits=0)
+    rows = torch.zeros(*k_cache.shape[:3], 66, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="must share one of"):  # 8-bit rows read as fp32
+        paged_decode_attention(q, rows, rows, block_tables, lens, 0.1)
+    with pytest.raises(ValueError, match="rows of 66"):  # fp32 rows read as 8-bit
+        paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="rows of 66"):  # rows without their scale
+        cut = rows[..., :64]
+        paged_decode_attention(q, cut, cut, block_tables, lens, 0.1, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        paged_decode_attention(q, rows, rows, block_tables, lens, 0.1, kv_cache_dtype="fp4")

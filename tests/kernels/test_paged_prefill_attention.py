@@ -98,6 +98,71 @@ def test_matches_reference_bf16(case: tuple, device: str, make_paged_kv: MakePag
     run_case(make_paged_kv, *case, dtype=torch.bfloat16, device=device)
 
 
+# (case, kv dtype, q dtype): a prefix hit with GQA, a middle chunk at head_dim 40 (rows of
+# 42 bytes), two query tiles in fp16
+KV8_CASES = {
+    "int8-prefix-hit-fp32": ("prefix-hit-gqa4-bs8", "int8", torch.float32),
+    "fp8-middle-chunk-d40-fp32": ("middle-chunk-gqa8-d40", "fp8", torch.float32),
+    "int8-two-query-tiles-fp16": ("two-query-tiles", "int8", torch.float16),
+}
+
+
+def run_8bit_case(
+    make_paged_kv: MakePagedKV,
+    quantize_kv: Callable[..., tuple],
+    dequantize_kv: Callable[..., torch.Tensor],
+    case: tuple,
+    kv_dtype: str,
+    dtype: torch.dtype,
+    device: str,
+) -> None:
+    """A case of CASES over an 8-bit cache (engine/kv_quant.py) against the reference over
+    its dequantized values; unowned slots have NaN scales."""
+    query_lens, context_lens, num_heads, num_kv_heads, block_size, head_dim = case
+    paged = make_paged_kv(context_lens, num_kv_heads, head_dim, block_size, torch.float32, device)
+    k8, v8, block_tables, _, _ = quantize_kv(paged, kv_dtype)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device, dtype)
+    qsl = query_start_loc(query_lens, device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    out = paged_prefill_attention(
+        q, k8, v8, block_tables, qsl, lens, scale, kv_cache_dtype=kv_dtype
+    )
+    k, v = dequantize_kv(k8, kv_dtype), dequantize_kv(v8, kv_dtype)
+    expected = ref_paged_prefill_attention(q, k, v, block_tables, qsl, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize(("case", "kv_dtype", "dtype"), KV8_CASES.values(), ids=KV8_CASES.keys())
+def test_8bit_cache_matches_reference(
+    case: str,
+    kv_dtype: str,
+    dtype: torch.dtype,
+    device: str,
+    make_paged_kv: MakePagedKV,
+    quantize_kv: Callable[..., tuple],
+    dequantize_kv: Callable[..., torch.Tensor],
+) -> None:
+    run_8bit_case(make_paged_kv, quantize_kv, dequantize_kv, CASES[case], kv_dtype, dtype, device)
+
+
+@NEEDS_COMPILED_GPU
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_8bit_cache_matches_reference_bf16(
+    case: tuple,
+    kv_dtype: str,
+    device: str,
+    make_paged_kv: MakePagedKV,
+    quantize_kv: Callable[..., tuple],
+    dequantize_kv: Callable[..., torch.Tensor],
+) -> None:
+    """The GPU twin of test_8bit_cache_matches_reference: every case, bf16 queries."""
+    run_8bit_case(make_paged_kv, quantize_kv, dequantize_kv, case, kv_dtype, torch.bfloat16, device)
+
+
 def test_reference_matches_sdpa(make_paged_kv: MakePagedKV) -> None:
     """The reference itself, against SDPA on the dense (unpaged) K/V with torch's own GQA."""
     query_lens, context_lens, num_heads, num_kv_heads, head_dim = [4, 9], [4, 30], 8, 2, 64
@@ -140,3 +205,10 @@ def test_rejects_bad_input(device: str, make_paged_kv: MakePagedKV) -> None:
         paged_prefill_attention(q, k_cache.half(), v_cache, block_tables, qsl, lens, 0.1)
     with pytest.raises(ValueError, match="k_cache and v_cache"):
         paged_prefill_attention(q, k_cache, v_cache[:, :1], block_tables, qsl, lens, 0.1)
+    rows = torch.zeros(*k_cache.shape[:3], 66, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="must share one of"):  # 8-bit rows read as fp32
+        paged_prefill_attention(q, rows, rows, block_tables, qsl, lens, 0.1)
+    with pytest.raises(ValueError, match="rows of 66"):  # fp32 rows read as 8-bit
+        paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, qsl, lens, 0.1, kv_cache_dtype="fp8"
+        )
