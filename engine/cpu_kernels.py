@@ -71,15 +71,15 @@ def _openmp_runtime() -> Path | None:
     return None
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, source_file: Path = _SOURCE) -> Path:
     openmp = _openmp_runtime()
     flags = [*_FLAGS, "-fopenmp"] if openmp else _FLAGS
     link = [str(openmp), f"-Wl,-rpath,{openmp.parent}"] if openmp else []
-    source = _SOURCE.read_bytes()
+    source = source_file.read_bytes()
     key = hashlib.sha256(
         b"\0".join([source, " ".join([compiler, *flags, *link]).encode(), _cpu_id().encode()])
     ).hexdigest()[:24]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    target = _cache_dir() / f"{source_file.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -87,7 +87,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *flags, "-o", tmp, str(_SOURCE), *link, "-lm"],
+            [compiler, *flags, "-o", tmp, str(source_file), *link, "-lm"],
             check=True,
             capture_output=True,
             timeout=_BUILD_TIMEOUT_S,
