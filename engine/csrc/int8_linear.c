@@ -42,7 +42,8 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 #define R 4  /* output rows a group */
 #define C 64 /* values of K a chunk: one cache line of int8 */
-#define BB 4 /* activation rows a register block */
+#define BB 4 /* activation rows a register block, the weight widened in registers */
+#define BT 6 /* activation rows a register block, the weight read from a tile */
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -151,6 +152,47 @@ INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* 4 floats rounded to bf16 (to nearest even), in the low 8 bytes */
+INLINE __m128i store_bf16x4(__m128 v) {
+#ifdef __AVX512BF16__
+    return (__m128i)_mm_cvtneps_pbh(v);
+#else
+    float f[4];
+    uint16_t h[4] = {0};
+    _mm_storeu_ps(f, v);
+    for (int i = 0; i < 4; ++i) h[i] = f32_to_bf16(f[i]);
+    return _mm_loadl_epi64((const __m128i *)h);
+#endif
+}
+
+/* store_group, 4 outputs a row at once where the group's rows are all real */
+INLINE void store_group_vec(int dtype, const float sums[][R], int nb, const void *scales,
+                            void *y, int64_t N, int64_t n0, int64_t b0) {
+    if (n0 + R > N) {
+        store_group(dtype, sums, nb, scales, y, N, n0, b0);
+        return;
+    }
+    __m128 s;
+    if (dtype == DT_F32) {
+        s = _mm_loadu_ps((const float *)scales + n0);
+    } else {
+        const __m128i h = _mm_loadl_epi64((const __m128i *)((const uint16_t *)scales + n0));
+        s = dtype == DT_BF16 ? _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16))
+                             : _mm_cvtph_ps(h);
+    }
+    for (int b = 0; b < nb; ++b) {
+        const __m128 v = _mm_mul_ps(_mm_loadu_ps(sums[b]), s);
+        const int64_t at = (b0 + b) * N + n0;
+        if (dtype == DT_F32) {
+            _mm_storeu_ps((float *)y + at, v);
+        } else {
+            const __m128i h = dtype == DT_BF16 ? store_bf16x4(v)
+                                               : _mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+            _mm_storel_epi64((__m128i *)((uint16_t *)y + at), h);
+        }
+    }
+}
+
 #define ZERO4(b)                                                                             \
     __m512 c0##b = _mm512_setzero_ps(), c1##b = c0##b, c2##b = c0##b, c3##b = c0##b
 #define SUMS4(b)                                                                             \
@@ -184,6 +226,8 @@ INLINE __m512 widen16(const int8_t *p) {
         enum { NB = NBV };                                                                   \
         (void)wg, (void)t;                                                                   \
         ZERO_ALL;                                                                            \
+        ZERO4(4);                                                                            \
+        ZERO4(5);                                                                            \
         for (int64_t j = 0; j < kp; j += C)                                                  \
             for (int h = 0; h < C; h += 16) {                                                \
                 __m512 v0, v1, v2, v3;                                                       \
@@ -198,8 +242,9 @@ INLINE __m512 widen16(const int8_t *p) {
                     v2 = widen16(wj + 2 * C), v3 = widen16(wj + 3 * C);                      \
                 }                                                                            \
                 F32_FMA(0, j + h) F32_FMA(1, j + h) F32_FMA(2, j + h) F32_FMA(3, j + h)      \
+                F32_FMA(4, j + h) F32_FMA(5, j + h)                                          \
             }                                                                                \
-        SUMS_ALL                                                                             \
+        SUMS_ALL SUMS4(4) SUMS4(5)                                                           \
     }
 DEF_F32(f32_w1, 1, 0)
 DEF_F32(f32_w2, 2, 0)
@@ -209,25 +254,28 @@ DEF_F32(f32_t1, 1, 1)
 DEF_F32(f32_t2, 2, 1)
 DEF_F32(f32_t3, 3, 1)
 DEF_F32(f32_t4, 4, 1)
+DEF_F32(f32_t5, 5, 1)
+DEF_F32(f32_t6, 6, 1)
 typedef void (*f32_block)(const float *, int64_t, const int8_t *, const float *, float[][R]);
 static const f32_block F32_W[BB + 1] = {NULL, f32_w1, f32_w2, f32_w3, f32_w4};
-static const f32_block F32_T[BB + 1] = {NULL, f32_t1, f32_t2, f32_t3, f32_t4};
+static const f32_block F32_T[BT + 1] = {NULL,   f32_t1, f32_t2, f32_t3,
+                                        f32_t4, f32_t5, f32_t6};
 
 /* One group against all B rows of xs (float32, packed column order, rows kp apart). */
 static void group_f32(int dtype, const float *xs, int64_t kp, const int8_t *wg,
                       const void *scales, void *y, int64_t B, int64_t N, int64_t n0,
                       float *tile, const int8_t *next) {
-    float sums[BB][R];
+    float sums[BT][R];
     if (B <= BB) { /* widen in registers: the weight read once, straight from memory */
         F32_W[B](xs, kp, wg, NULL, sums);
-        store_group(dtype, sums, (int)B, scales, y, N, n0, 0);
+        store_group_vec(dtype, sums, (int)B, scales, y, N, n0, 0);
         return;
     }
     for (int64_t i = 0; i < kp * R; i += 16) _mm512_store_ps(tile + i, widen16(wg + i));
-    for (int64_t b0 = 0; b0 < B; b0 += BB) {
-        const int nb = B - b0 < BB ? (int)(B - b0) : BB;
+    for (int64_t b0 = 0; b0 < B; b0 += BT) {
+        const int nb = B - b0 < BT ? (int)(B - b0) : BT;
         F32_T[nb](xs + b0 * kp, kp, b0 == 0 ? next : NULL, tile, sums);
-        store_group(dtype, sums, nb, scales, y, N, n0, b0);
+        store_group_vec(dtype, sums, nb, scales, y, N, n0, b0);
     }
 }
 #endif
@@ -279,53 +327,81 @@ INLINE void widen64_bf16(const bf16_tables *t, const int8_t *p, __m512i *a, __m5
         DP2(c2##b, a2, b2_, xa, xb);                                                         \
         DP2(c3##b, a3, b3_, xa, xb);                                                         \
     }
-#define DEF_BF16(NAME, NBV, TILE)                                                            \
+/* In registers: a chunk's R rows widened (8 vectors), then NB (<= BB) rows of x. */
+#define DEF_BF16_W(NAME, NBV)                                                                \
     static void NAME(const bf16_tables *tb, const uint16_t *x, int64_t ldx, int64_t kp,      \
-                     const int8_t *wg, const uint16_t *t, float sums[][R]) {                 \
+                     const int8_t *wg, float sums[][R]) {                                    \
         enum { NB = NBV };                                                                   \
-        (void)tb, (void)wg, (void)t;                                                         \
         ZERO_ALL;                                                                            \
         for (int64_t j = 0; j < kp; j += C) {                                                \
             __m512i a0, a1, a2, a3, b0_, b1_, b2_, b3_;                                      \
-            if (TILE) {                                                                      \
-                const uint16_t *tj = t + j * R;                                              \
-                if (wg) PREFETCH_CHUNK(wg + j * R);                                          \
-                a0 = _mm512_load_si512(tj), b0_ = _mm512_load_si512(tj + 32);                \
-                a1 = _mm512_load_si512(tj + C), b1_ = _mm512_load_si512(tj + C + 32);        \
-                a2 = _mm512_load_si512(tj + 2 * C), b2_ = _mm512_load_si512(tj + 2 * C + 32); \
-                a3 = _mm512_load_si512(tj + 3 * C), b3_ = _mm512_load_si512(tj + 3 * C + 32); \
-            } else {                                                                         \
-                const int8_t *wj = wg + j * R;                                               \
-                widen64_bf16(tb, wj, &a0, &b0_);                                             \
-                widen64_bf16(tb, wj + C, &a1, &b1_);                                         \
-                widen64_bf16(tb, wj + 2 * C, &a2, &b2_);                                     \
-                widen64_bf16(tb, wj + 3 * C, &a3, &b3_);                                     \
-            }                                                                                \
+            const int8_t *wj = wg + j * R;                                                   \
+            widen64_bf16(tb, wj, &a0, &b0_);                                                 \
+            widen64_bf16(tb, wj + C, &a1, &b1_);                                             \
+            widen64_bf16(tb, wj + 2 * C, &a2, &b2_);                                         \
+            widen64_bf16(tb, wj + 3 * C, &a3, &b3_);                                         \
             BF16_DP(0, j) BF16_DP(1, j) BF16_DP(2, j) BF16_DP(3, j)                          \
         }                                                                                    \
         SUMS_ALL                                                                             \
     }
-DEF_BF16(bf16_w1, 1, 0)
-DEF_BF16(bf16_w2, 2, 0)
-DEF_BF16(bf16_w3, 3, 0)
-DEF_BF16(bf16_w4, 4, 0)
-DEF_BF16(bf16_t1, 1, 1)
-DEF_BF16(bf16_t2, 2, 1)
-DEF_BF16(bf16_t3, 3, 1)
-DEF_BF16(bf16_t4, 4, 1)
-typedef void (*bf16_block)(const bf16_tables *, const uint16_t *, int64_t, int64_t,
-                           const int8_t *, const uint16_t *, float[][R]);
-static const bf16_block BF16_W[BB + 1] = {NULL, bf16_w1, bf16_w2, bf16_w3, bf16_w4};
-static const bf16_block BF16_T[BB + 1] = {NULL, bf16_t1, bf16_t2, bf16_t3, bf16_t4};
+DEF_BF16_W(bf16_w1, 1)
+DEF_BF16_W(bf16_w2, 2)
+DEF_BF16_W(bf16_w3, 3)
+DEF_BF16_W(bf16_w4, 4)
+typedef void (*bf16_w_block)(const bf16_tables *, const uint16_t *, int64_t, int64_t,
+                             const int8_t *, float[][R]);
+static const bf16_w_block BF16_W[BB + 1] = {NULL, bf16_w1, bf16_w2, bf16_w3, bf16_w4};
+
+/* From the tile: NB (<= BT) rows of x, each half chunk's R rows loaded (4 vectors) and
+ * used by all NB; x read straight from memory by the dot products. */
+#define DP_T(b, h)                                                                           \
+    if (NB > b) {                                                                            \
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + b * ldx + (h));                 \
+        c0##b = _mm512_dpbf16_ps(c0##b, v0, xv);                                             \
+        c1##b = _mm512_dpbf16_ps(c1##b, v1, xv);                                             \
+        c2##b = _mm512_dpbf16_ps(c2##b, v2, xv);                                             \
+        c3##b = _mm512_dpbf16_ps(c3##b, v3, xv);                                             \
+    }
+#define DEF_BF16_T(NAME, NBV)                                                                \
+    static void NAME(const uint16_t *x, int64_t ldx, int64_t kp, const uint16_t *t,          \
+                     const int8_t *next, float sums[][R]) {                                  \
+        enum { NB = NBV };                                                                   \
+        ZERO_ALL;                                                                            \
+        ZERO4(4);                                                                            \
+        ZERO4(5);                                                                            \
+        for (int64_t j = 0; j < kp; j += C) {                                                \
+            if (next) PREFETCH_CHUNK(next + j * R);                                          \
+            for (int h = 0; h < C; h += 32) {                                                \
+                const uint16_t *tj = t + j * R + h;                                          \
+                const __m512bh v0 = (__m512bh)_mm512_load_si512(tj);                         \
+                const __m512bh v1 = (__m512bh)_mm512_load_si512(tj + C);                     \
+                const __m512bh v2 = (__m512bh)_mm512_load_si512(tj + 2 * C);                 \
+                const __m512bh v3 = (__m512bh)_mm512_load_si512(tj + 3 * C);                 \
+                DP_T(0, j + h) DP_T(1, j + h) DP_T(2, j + h)                                 \
+                DP_T(3, j + h) DP_T(4, j + h) DP_T(5, j + h)                                 \
+            }                                                                                \
+        }                                                                                    \
+        SUMS_ALL SUMS4(4) SUMS4(5)                                                           \
+    }
+DEF_BF16_T(bf16_t1, 1)
+DEF_BF16_T(bf16_t2, 2)
+DEF_BF16_T(bf16_t3, 3)
+DEF_BF16_T(bf16_t4, 4)
+DEF_BF16_T(bf16_t5, 5)
+DEF_BF16_T(bf16_t6, 6)
+typedef void (*bf16_t_block)(const uint16_t *, int64_t, int64_t, const uint16_t *,
+                             const int8_t *, float[][R]);
+static const bf16_t_block BF16_T[BT + 1] = {NULL,    bf16_t1, bf16_t2, bf16_t3,
+                                            bf16_t4, bf16_t5, bf16_t6};
 
 /* One group against all B rows of x (bf16, rows ldx apart, zero from K to kp). */
 static void group_bf16(const bf16_tables *tb, const uint16_t *x, int64_t ldx, int64_t kp,
                        const int8_t *wg, const void *scales, void *y, int64_t B, int64_t N,
                        int64_t n0, uint16_t *tile, const int8_t *next) {
-    float sums[BB][R];
+    float sums[BT][R];
     if (B <= BB) {
-        BF16_W[B](tb, x, ldx, kp, wg, NULL, sums);
-        store_group(DT_BF16, sums, (int)B, scales, y, N, n0, 0);
+        BF16_W[B](tb, x, ldx, kp, wg, sums);
+        store_group_vec(DT_BF16, sums, (int)B, scales, y, N, n0, 0);
         return;
     }
     for (int64_t i = 0; i < kp * R; i += C) {
@@ -334,10 +410,10 @@ static void group_bf16(const bf16_tables *tb, const uint16_t *x, int64_t ldx, in
         _mm512_store_si512(tile + i, a);
         _mm512_store_si512(tile + i + 32, b);
     }
-    for (int64_t b0 = 0; b0 < B; b0 += BB) {
-        const int nb = B - b0 < BB ? (int)(B - b0) : BB;
-        BF16_T[nb](tb, x + b0 * ldx, ldx, kp, b0 == 0 ? next : NULL, tile, sums);
-        store_group(DT_BF16, sums, nb, scales, y, N, n0, b0);
+    for (int64_t b0 = 0; b0 < B; b0 += BT) {
+        const int nb = B - b0 < BT ? (int)(B - b0) : BT;
+        BF16_T[nb](x + b0 * ldx, ldx, kp, tile, b0 == 0 ? next : NULL, sums);
+        store_group_vec(DT_BF16, sums, nb, scales, y, N, n0, b0);
     }
 }
 #endif
