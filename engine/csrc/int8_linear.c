@@ -101,15 +101,39 @@ INLINE void store_group(int dtype, const float sums[][R], int nb, const void *sc
     }
 }
 
+#ifdef I8_AVX512
+/* 8 values of x from x + i, as float32 */
+INLINE __m256 load8_f32(int dtype, const void *x, int64_t i) {
+    if (dtype == DT_F32) return _mm256_loadu_ps((const float *)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    if (dtype == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+#endif
+
 /* x as float32 in the packed column order, zero past K: row b at out + b * kp. */
 static void copy_x_f32(int dtype, const void *x, int64_t ldx, int64_t B, int64_t K, int64_t kp,
                        float *out) {
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t j = 0; j < kp; j += C)
+    for (int64_t b = 0; b < B; ++b) {
+        int64_t j = 0;
+#ifdef I8_AVX512
+        /* positions 16h.. of a chunk hold its columns 8h..8h+7, then 32+8h..32+8h+7 */
+        for (; j + C <= K; j += C)
+            for (int h = 0; h < 4; ++h) {
+                const __m256 lo = load8_f32(dtype, x, b * ldx + j + 8 * h);
+                const __m256 hi = load8_f32(dtype, x, b * ldx + j + 32 + 8 * h);
+                const __m512d v = _mm512_insertf64x4(
+                    _mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1);
+                _mm512_store_ps(out + b * kp + j + 16 * h, _mm512_castpd_ps(v));
+            }
+#endif
+        for (; j < kp; j += C)
             for (int p = 0; p < C; ++p) {
                 const int64_t k = j + chunk_index(p);
                 out[b * kp + j + p] = k < K ? load_f(dtype, x, b * ldx + k) : 0.0f;
             }
+    }
 }
 
 /* ---- portable path ------------------------------------------------------------------- */
