@@ -47,6 +47,13 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 #define INLINE static inline __attribute__((always_inline))
 
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_ID omp_get_thread_num()
+#else
+#define THREAD_ID 0
+#endif
+
 /* The column (within its chunk) of the byte at position p of a packed chunk: the bf16
  * path unpacks the low and high 8 bytes of each 16-byte lane apart, so byte p holds
  * column (p / 16) * 8 + p % 8 of the first 32 when p % 16 < 8, else of the last 32. */
@@ -464,9 +471,14 @@ int i8_linear(int dtype, const void *x, int64_t ldx, const int8_t *w, const void
         return 0;
     }
     const int64_t kp = (K + C - 1) / C * C, groups = (N + R - 1) / R, wg_bytes = R * kp;
-    const int nb_max = B < MB ? (int)B : MB;
-    int failed = 0;
-    (void)num_threads;
+    const int threads = num_threads > 1 && groups > 1 ? num_threads : 1;
+    /* Groups are handed out a few at a time: a thread the OS holds back (a shared
+     * machine) leaves its share to the others instead of stalling the call. */
+    const int64_t chunk = groups / (8 * threads) > 1 ? groups / (8 * threads) : 1;
+    /* One tile a thread, allocated here so that no thread can fail alone. */
+    const size_t tile_bytes = (B > BB ? (size_t)wg_bytes * sizeof(float) : 0);
+    char *tiles = tile_bytes ? aligned_alloc(64, tile_bytes * (size_t)threads) : NULL;
+    if (tile_bytes && !tiles) return -1;
 #ifdef I8_BF16DP
     if (dtype == DT_BF16) {
         /* x as is, unless its rows need zeros from K to kp */
@@ -474,65 +486,60 @@ int i8_linear(int dtype, const void *x, int64_t ldx, const int8_t *w, const void
         uint16_t *copy = NULL;
         if (kp != K) {
             copy = calloc((size_t)(B * kp), sizeof(uint16_t));
-            if (!copy) return -1;
+            if (!copy) {
+                free(tiles);
+                return -1;
+            }
             for (int64_t b = 0; b < B; ++b)
                 memcpy(copy + b * kp, (const uint16_t *)x + b * ldx, sizeof(uint16_t) * K);
             xb = copy;
             ldx = kp;
         }
         const bf16_tables tb = make_tables();
-        _Pragma("omp parallel num_threads(num_threads) if (num_threads > 1 && groups > 1)") {
-            uint16_t *tile = nb_max > BB ? aligned_alloc(64, sizeof(uint16_t) * wg_bytes) : NULL;
-            if (nb_max > BB && !tile) {
-                _Pragma("omp atomic write") failed = 1;
-            }
-            _Pragma("omp barrier") /* every thread sees every allocation's outcome */
-            int stop;
-            _Pragma("omp atomic read") stop = failed;
-            for (int64_t b0 = 0; b0 < B && !stop; b0 += MB) {
+        _Pragma("omp parallel num_threads(threads) if (threads > 1)") {
+            uint16_t *tile = tiles ? (uint16_t *)(tiles + THREAD_ID * tile_bytes) : NULL;
+            for (int64_t b0 = 0; b0 < B; b0 += MB) {
                 const int64_t nb = B - b0 < MB ? B - b0 : MB;
-                _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; ++g) {
+                _Pragma("omp for schedule(dynamic, chunk) nowait") for (int64_t g = 0; g < groups;
+                                                                        ++g) {
                     const int8_t *wg = w + g * wg_bytes;
                     group_bf16(&tb, xb + b0 * ldx, ldx, kp, wg, scales,
                                (uint16_t *)y + b0 * N, nb, N, g * R, tile,
                                g + 1 < groups ? wg + wg_bytes : NULL);
                 }
             }
-            free(tile);
         }
         free(copy);
-        return failed ? -1 : 0;
+        free(tiles);
+        return 0;
     }
 #endif
     float *xs = aligned_alloc(64, sizeof(float) * (size_t)(B * kp));
-    if (!xs) return -1;
+    if (!xs) {
+        free(tiles);
+        return -1;
+    }
     copy_x_f32(dtype, x, ldx, B, K, kp, xs);
-    const int64_t ysize = dtype == DT_F32 ? 4 : 2;
 #ifdef I8_AVX512
-    _Pragma("omp parallel num_threads(num_threads) if (num_threads > 1 && groups > 1)") {
-        float *tile = nb_max > BB ? aligned_alloc(64, sizeof(float) * wg_bytes) : NULL;
-        if (nb_max > BB && !tile) {
-            _Pragma("omp atomic write") failed = 1;
-        }
-        _Pragma("omp barrier")
-        int stop;
-        _Pragma("omp atomic read") stop = failed;
-        for (int64_t b0 = 0; b0 < B && !stop; b0 += MB) {
+    const int64_t ysize = dtype == DT_F32 ? 4 : 2;
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)") {
+        float *tile = tiles ? (float *)(tiles + THREAD_ID * tile_bytes) : NULL;
+        for (int64_t b0 = 0; b0 < B; b0 += MB) {
             const int64_t nb = B - b0 < MB ? B - b0 : MB;
-            _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; ++g) {
+            _Pragma("omp for schedule(dynamic, chunk) nowait") for (int64_t g = 0; g < groups;
+                                                                    ++g) {
                 const int8_t *wg = w + g * wg_bytes;
                 group_f32(dtype, xs + b0 * kp, kp, wg, scales, (char *)y + b0 * N * ysize, nb,
                           N, g * R, tile, g + 1 < groups ? wg + wg_bytes : NULL);
             }
         }
-        free(tile);
     }
 #else
-    (void)ysize, (void)nb_max;
-    _Pragma("omp parallel for num_threads(num_threads) if (num_threads > 1 && groups > 1)")
+    _Pragma("omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, chunk)")
     for (int64_t g = 0; g < groups; ++g)
         group_scalar(dtype, xs, kp, w + g * wg_bytes, scales, y, B, N, g * R);
 #endif
     free(xs);
-    return failed ? -1 : 0;
+    free(tiles);
+    return 0;
 }
