@@ -1,11 +1,12 @@
 /* Weight-only int8 linear for the CPU: y[b, n] = scale[n] * sum_k x[b, k] * w[n, k].
  *
- * Built and loaded by engine/cpu_kernels.py (gcc -O3 -march=native, loaded with ctypes)
- * for engine/linear.py's Int8Linear. A decode step is bound by the bytes of weight it
- * reads, so each call reads each int8 weight once, in one sequential stream, and widens
- * it in registers -- never a dequantized copy of the whole weight. With more than BB
- * activation rows, a group's rows are widened once into a small per-thread tile (in
- * cache) that every block of activation rows then reads.
+ * Built by engine/cpu_kernels.py's _build (gcc -O3 -march=native), loaded with ctypes by
+ * engine/cpu_int8.py for engine/linear.py's Int8Linear. A decode step is bound by the
+ * bytes of weight it reads, so each call reads each int8 weight once, in one sequential
+ * stream, and widens it in registers -- never a dequantized copy of the whole weight.
+ * With more than BB activation rows, a group's rows are widened once into a small
+ * per-thread tile (in cache) that every block of BT activation rows then reads; more
+ * than MB rows (a prefill) go MB at a time, so that their x stays in cache.
  *
  * The weight is packed once, at load (Int8Linear; `i8_pack_index` says where each value
  * goes): groups of R rows, each cut into chunks of C values of K; group g, chunk j, row r
@@ -17,8 +18,9 @@
  * x [B, K] rows `ldx` elements apart, float32, bfloat16 or float16 (`dtype`); scales [N]
  * and y [B, N] (contiguous) in x's dtype. Sums in float32; y = round(sum * scale).
  * Output row groups are spread over `num_threads` OpenMP threads (the runtime torch uses,
- * so they share its pool). Returns 0, -1 if scratch memory could not be allocated, -2 for
- * arguments this file does not take.
+ * so they share its pool); each output is computed whole by one thread, so results do not
+ * depend on the thread count, nor a row's on the other rows of x. Returns 0, -1 if
+ * scratch memory could not be allocated, -2 for arguments this file does not take.
  *
  * Paths (`i8_linear_path`): 2, AVX-512 (F, BW, VL, VBMI) with AVX512_BF16: bf16 x by
  * vdpbf16ps, the int8 widened to bf16 by two byte lookups (|q| <= 127: exact in bf16);
