@@ -47,7 +47,7 @@ class EngineConfig(BaseModel):
         " nearest), half the weight bytes of bf16 that each decode step reads; the"
         " embedding, LM head and norms stay in `dtype` (engine/linear.py, Int8Linear)."
         " On CPU with AVX-512 a C kernel reads the int8 weight, packed at load, once per"
-        " step (engine/cpu_int8.py): measured 1.8-2.1x bf16's decode tokens/s at batch 1"
+        " step (engine/cpu_int8.py): measured 1.7-2.1x bf16's decode tokens/s at batch 1"
         " and 1.0x at batch 32, 1 thread (benchmarks/quantization.py). Elsewhere torch's"
         " int8 matmul: vectorised for bfloat16 only and compute-bound (about bf16's speed"
         " at batch 1, half at 32), so there the memory is the gain.",
