@@ -46,9 +46,11 @@ class EngineConfig(BaseModel):
         " quantized at load to int8 with one scale per output row (symmetric, round to"
         " nearest), half the weight bytes of bf16 that each decode step reads; the"
         " embedding, LM head and norms stay in `dtype` (engine/linear.py, Int8Linear)."
-        " On CPU torch's int8 matmul is vectorised for bfloat16 only, and compute-bound:"
-        " measured about as fast as bf16 at batch 1 and half as fast at batch 32"
-        " (benchmarks/quantization.py); there the memory is the gain.",
+        " On CPU with AVX-512 a C kernel reads the int8 weight, packed at load, once per"
+        " step (engine/cpu_int8.py): measured 1.7-2.1x bf16's decode tokens/s at batch 1"
+        " and 1.0x at batch 32, 1 thread (benchmarks/quantization.py). Elsewhere torch's"
+        " int8 matmul: vectorised for bfloat16 only and compute-bound (about bf16's speed"
+        " at batch 1, half at 32), so there the memory is the gain.",
     )
     kv_cache_dtype: KVCacheDtype = Field(
         default="auto",

@@ -85,24 +85,28 @@ def _openmp_runtime() -> Path | None:
     return None
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, sources: Path | tuple[Path, ...] = _SOURCES) -> Path:
+    """The shared object of `sources` (compiled at once, then linked; named after the
+    first), built into the cache folder unless it is there already."""
+    if isinstance(sources, Path):
+        sources = (sources,)
     openmp = _openmp_runtime()
     flags = [*_FLAGS, "-fopenmp"] if openmp else _FLAGS
     link = [str(openmp), f"-Wl,-rpath,{openmp.parent}"] if openmp else []
-    sources = [path.read_bytes() for path in (_HEADER, *_SOURCES)]
+    texts = [path.read_bytes() for path in (_HEADER, *sources)]
     key = hashlib.sha256(
-        b"\0".join([*sources, " ".join([compiler, *flags, *link]).encode(), _cpu_id().encode()])
+        b"\0".join([*texts, " ".join([compiler, *flags, *link]).encode(), _cpu_id().encode()])
     ).hexdigest()[:24]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    target = _cache_dir() / f"{sources[0].stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = [str(Path(tmp) / f"{src.stem}.o") for src in _SOURCES]
+        objects = [str(Path(tmp) / f"{src.stem}.o") for src in sources]
         # the sources compile at once (two cores halve the first start), then link
-        pairs = zip(_SOURCES, objects, strict=True)
+        pairs = zip(sources, objects, strict=True)
         _run_all([[compiler, *flags, "-c", "-o", obj, str(src)] for src, obj in pairs])
-        library = str(Path(tmp) / "paged_decode.so")
+        library = str(Path(tmp) / f"{sources[0].stem}.so")
         _run_all([[compiler, *flags, "-shared", "-o", library, *objects, *link, "-lm"]])
         os.replace(library, target)  # atomic: a concurrent builder's file is equal
     return target

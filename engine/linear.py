@@ -12,10 +12,12 @@ float16 and CUDA keep `F.linear`.
 `Int8Linear` holds a weight quantized to int8 with one scale per output row
 (`EngineConfig.quantization="int8"`, the transformer blocks' projections): a decode
 step, bound by memory bandwidth, reads half the weight bytes of bf16 and a quarter of
-fp32's. Its matmul reads the int8 weight as is, never a dequantized copy:
-`torch.ops.aten._weight_int8pack_mm` on CPU (and on devices other than CUDA), the
-Triton kernel `kernels/int8_linear.py` on CUDA, where torch's CUDA version of that op is
-a reference kernel (one thread per output element, the weight rows read uncoalesced).
+fp32's. Its matmul reads the int8 weight as is, never a dequantized copy: on CPU the C
+kernel `cpu_int8` (`csrc/int8_linear.c`, the weight packed for it at load) where it
+compiles vectorised, else `torch.ops.aten._weight_int8pack_mm` (also on devices other
+than CUDA); the Triton kernel `kernels/int8_linear.py` on CUDA, where torch's CUDA
+version of that op is a reference kernel (one thread per output element, the weight rows
+read uncoalesced).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.engine import cpu_int8
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +129,15 @@ class Int8Linear:
     one scale per row (`quantize_int8`); x and the result in the scales' dtype, the bias
     too. The float weight is not kept.
 
-    On x86 CPUs torch vectorises the op for bfloat16 only: float32 and float16 run its
-    scalar fallback (correct, but slower than the float `Linear`). Its bf16 kernel is
-    compute-bound (it widens and scales every weight before the FMA, 4x4 outputs at a
-    time): on 1 Zen 4 core the mid model's projections ran 0.96x of the packed bf16
-    `Linear`'s speed at 1 row and 0.37x at 32 (1.46x and 0.39x on 2 cores). On CPU the op
-    is deterministic and each output row depends on its input row alone (the sum over K
-    runs the same way whatever the batch).
+    On CPU the C kernel (`cpu_int8`) runs it where it compiles vectorised (AVX-512), on
+    a weight packed for it (`weight` then holds that layout; `int8_weight` gives the rows
+    back): on 1 Zen 4 core the mid model's projections ran at 2-3x the packed bf16
+    `Linear`'s speed at 1 row and about level at 32. Elsewhere torch's op: vectorised on
+    x86 for bfloat16 only (float32 and float16 run its scalar fallback), and
+    compute-bound (it widens and scales every weight before the FMA): 0.96x of the bf16
+    `Linear` at 1 row and 0.37x at 32 on that core. Either is deterministic on CPU and
+    each output row depends on its input row alone (the sum over K runs the same way
+    whatever the batch).
     """
 
     def __init__(
@@ -141,7 +147,15 @@ class Int8Linear:
         self.scales = scales
         self.bias = bias
         self._kernel = _cuda_kernel() if weight.device.type == "cuda" else None
-        self.weight = weight if self._kernel is not None else _for_cpu_op(weight)
+        self._cpu = _cpu_kernel(scales) if weight.device.type == "cpu" else None
+        # Which matmul runs: "c" (cpu_int8), "triton" or "torch" (torch's op).
+        self.backend = "c" if self._cpu else "triton" if self._kernel else "torch"
+        if self._cpu is not None:
+            self.weight = self._cpu.pack(weight)
+            self._row_len = self.weight.shape[1] * cpu_int8.COLS
+        else:
+            self.weight = weight if self._kernel is not None else _for_cpu_op(weight)
+            self._row_len = self.weight.shape[1]
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -151,19 +165,31 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None:
             return self._kernel(x, self.weight, self.scales, self.bias)
-        y = torch.ops.aten._weight_int8pack_mm(_for_cpu_op(x), self.weight, self.scales)
+        if self._cpu is not None:
+            y = self._cpu.linear(x, self.weight, self.scales, self.out_features)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(_for_cpu_op(x), self.weight, self.scales)
         return y if self.bias is None else y.add_(self.bias)
+
+    def int8_weight(self) -> Int8Weight:
+        """The int8 rows [out, in] and scales this layer multiplies by, whatever the
+        layout it holds them in."""
+        if self._cpu is not None:
+            weight = self._cpu.unpack(self.weight, self.out_features, self.in_features)
+        else:
+            weight = self.weight[:, : self.in_features]
+        return Int8Weight(weight, self.scales)
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the int8 weight (padded rows included), the scales and the bias."""
+        """Bytes of the int8 weight as held (padding included), the scales and the bias."""
         return _nbytes(self.weight) + _nbytes(self.scales) + _nbytes(self.bias)
 
     @property
     def row_bytes(self) -> int:
         """Bytes of one output row: its int8 weights, its scale and its bias element."""
         bias_bytes = 0 if self.bias is None else self.bias.element_size()
-        return self.weight.shape[1] + self.scales.element_size() + bias_bytes
+        return self._row_len + self.scales.element_size() + bias_bytes
 
 
 # What the transformer blocks' projections are, with and without quantization.
@@ -182,6 +208,15 @@ def _cuda_kernel() -> _Int8Kernel | None:
         logger.warning("Triton unavailable (%s): int8 linears use torch's reference kernel", exc)
         return None
     return int8_linear
+
+
+def _cpu_kernel(scales: torch.Tensor) -> cpu_int8.Int8CpuKernel | None:
+    """The C kernel where it is vectorised here and takes the scales' dtype, else None
+    (torch's op)."""
+    kernel = cpu_int8.load()
+    if kernel is None or not kernel.vectorised or scales.dtype not in kernel.dtypes:
+        return None
+    return kernel
 
 
 def _for_cpu_op(t: torch.Tensor) -> torch.Tensor:

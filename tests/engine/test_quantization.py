@@ -1,8 +1,10 @@
 """`quantization="int8"`: the blocks' projections as int8 rows with one scale per row.
 
 Quantizing loses at most half a step per weight; the int8 linear computes the matmul of
-the dequantized weight to float rounding (CPU: torch's `_weight_int8pack_mm`, whose bf16
-kernel needs rows of a multiple of 16 and an aligned x, which `Int8Linear` provides). An
+the dequantized weight to float rounding, on CPU both through the C kernel
+(`engine/cpu_int8.py`, where it builds vectorised) and through torch's
+`_weight_int8pack_mm` (whose bf16 kernel needs rows of a multiple of 16 and an aligned x,
+which `Int8Linear` provides); the two pick the same greedy tokens (float32). An
 int8 engine picks the float engine's greedy next token at >= 90% of positions (teacher
 forced on the float engine's tokens) and holds half the projections' bytes of bf16 and
 a quarter of fp32's. Tensor parallel, each rank quantizes its own slices: q|k|v and
@@ -26,9 +28,9 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams, cpu_int8, linear
 from pdserve.engine.dummy_model import TINY, write_config_only_model
-from pdserve.engine.linear import Int8Linear, Int8Weight, dequantize_int8, quantize_int8
+from pdserve.engine.linear import Int8Linear, dequantize_int8, quantize_int8
 from pdserve.engine.model import LlamaModel, dummy_weights
 from pdserve.engine.model_config import load_model_config
 
@@ -37,6 +39,8 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 NEXT_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 BASE = {"num_kv_blocks": 512, "max_num_seqs": 128}
 MIN_AGREEMENT = 0.9
+KERNEL = cpu_int8.load()
+HAS_KERNEL = KERNEL is not None and KERNEL.vectorised
 # Int8Linear against the float64 matmul of the dequantized weight: the matmul's rounding
 # to the dtype and the bias add's (relative; absolute where subnormal), plus float32
 # accumulation over K (relative to sum |x * w|).
@@ -103,6 +107,16 @@ def random_weight(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
 
 
+@pytest.fixture(params=["c", "torch"])
+def cpu_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Int8Linear's CPU matmul for the test: the C kernel, or torch's op."""
+    if request.param == "c" and not HAS_KERNEL:
+        pytest.skip("the C int8 kernel is not built vectorised here (needs AVX-512)")
+    if request.param == "torch":
+        monkeypatch.setattr(linear, "_cpu_kernel", lambda scales: None)
+    return str(request.param)
+
+
 # -- quantization and the int8 linear ---------------------------------------------------
 
 
@@ -124,20 +138,26 @@ def test_round_trip_error_is_at_most_half_a_step_per_row(dtype: torch.dtype) -> 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("rows", "in_features"), [(1, 64), (5, 40), (33, 100), (0, 32)])
+@pytest.mark.parametrize(
+    ("rows", "in_features"), [(1, 64), (4, 200), (5, 40), (33, 100), (300, 72), (0, 32)]
+)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_int8_linear_matches_the_dequantized_matmul(
-    dtype: torch.dtype, rows: int, in_features: int, with_bias: bool
+    cpu_backend: str, dtype: torch.dtype, rows: int, in_features: int, with_bias: bool
 ) -> None:
-    """40 and 100 columns: rows padded to a multiple of 16 for the CPU kernel."""
-    out_features = 24
+    """Columns not a multiple of 16 (torch's op) or 64 (the C kernel's chunks) are padded;
+    the C kernel widens the weight in registers up to 4 rows, through a tile from 5, and
+    takes 256 rows a pass (300)."""
+    out_features = 26  # not a multiple of the C kernel's 4-row groups
     w = random_weight(out_features, in_features, dtype)
     bias = torch.randn(out_features).to(dtype) if with_bias else None
     lin = Int8Linear.quantize(w, bias)
+    assert lin.backend == cpu_backend
     assert lin.weight.dtype == torch.int8  # the float weight is not kept
+    assert torch.equal(lin.int8_weight().weight, quantize_int8(w).weight)  # packing undone
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    deq = dequantize_int8(Int8Weight(lin.weight[:, :in_features], lin.scales)).double()
+    deq = dequantize_int8(lin.int8_weight()).double()
     matmul = x.double() @ deq.T
     expected = matmul + (0 if bias is None else bias.double())
     magnitude = x.double().abs() @ deq.abs().T
@@ -150,9 +170,12 @@ def test_int8_linear_matches_the_dequantized_matmul(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_takes_strided_and_unaligned_inputs(dtype: torch.dtype) -> None:
+def test_int8_linear_takes_strided_and_unaligned_inputs(
+    cpu_backend: str, dtype: torch.dtype
+) -> None:
     """A view 2 bytes into its storage crashed torch's bf16 kernel (aligned loads)."""
     lin = Int8Linear.quantize(random_weight(20, 64, dtype))
+    assert lin.backend == cpu_backend
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 64, generator=gen).to(dtype)
     expected = lin(x)
@@ -203,6 +226,37 @@ def test_int8_agrees_with_float_and_holds_a_fraction_of_its_bytes(
     assert saved == projection_bytes(float_model) - projection_bytes(int8_model)
 
 
+@pytest.mark.skipif(not HAS_KERNEL, reason="the C int8 kernel is not built vectorised here")
+def test_c_kernel_and_torch_op_pick_the_same_tokens(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32, greedy: the two sum in different orders, so logits agree to rounding."""
+    model_dir = make_checkpoint()
+    prompts = make_prompts()
+    runs = {}
+    for backend in ("c", "torch"):
+        if backend == "torch":
+            monkeypatch.setattr(linear, "_cpu_kernel", lambda scales: None)
+        with llm(model_dir, dtype="float32", quantization="int8") as engine:
+            assert engine.engine.model.layers[0].qkv.backend == backend
+            logits = record_logits(engine)
+            runs[backend] = (greedy_sequences(engine, prompts), torch.cat(logits))
+    (c_tokens, c_logits), (op_tokens, op_logits) = runs["c"], runs["torch"]
+    assert c_tokens == op_tokens
+    assert torch.allclose(c_logits, op_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_c_kernel_leaves_torch_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
+    cpu_int8.load.cache_clear()
+    try:
+        assert cpu_int8.load() is None
+        lin = Int8Linear.quantize(random_weight(8, 32, torch.bfloat16))
+        assert lin.backend == "torch" and lin.weight.shape == (8, 32)
+    finally:
+        cpu_int8.load.cache_clear()
+
+
 def test_dummy_weights_are_quantized_from_the_same_random_weights(tmp_path: Path) -> None:
     model_dir = write_config_only_model(tmp_path / "tiny", TINY)
     config = {"load_format": "dummy", "dtype": "float32", "quantization": "int8", "seed": 3}
@@ -213,7 +267,7 @@ def test_dummy_weights_are_quantized_from_the_same_random_weights(tmp_path: Path
     tensors = dummy_weights(load_model_config(model_dir), torch.float32, torch.device("cpu"), 3)
     names = [f"model.layers.0.self_attn.{n}_proj.weight" for n in ("q", "k", "v")]
     weight = torch.cat([tensors[n] for n in names])
-    error = (weight - dequantize_int8(Int8Weight(qkv.weight, qkv.scales))).abs()
+    error = (weight - dequantize_int8(qkv.int8_weight())).abs()
     assert (error.amax(dim=1) <= qkv.scales / 2 * (1 + 1e-6)).all()
 
 
