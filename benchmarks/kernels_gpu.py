@@ -41,14 +41,17 @@ class Setup:
 
 
 def timed(fn: Callable[[], object], setup: Setup) -> float:
-    """Seconds per call: triton's do_bench on CUDA, best of a few on CPU."""
+    """Seconds per call: triton's do_bench on CUDA; one call in the smoke run (the CPU
+    interpreter, whose numbers mean nothing: repeats would only prove the path again)."""
     if setup.device == "cuda":
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=25, rep=100)) / 1e3
-    fn()
+    repeat = 1 if setup.smoke else 3
+    if not setup.smoke:
+        fn()  # warm-up
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeat):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)

@@ -270,6 +270,14 @@ def node_env(token: str) -> dict[str, str]:
 
 
 def start_ray(topo: Topology, node: Node, env: dict[str, str], tmp: Path, **extra: Any) -> None:
+    """`ray start` on the node, returning once it has joined (the head: once its GCS is
+    up)."""
+    _joined(node, _spawn_ray(topo, node, env, **extra))
+
+
+def _spawn_ray(
+    topo: Topology, node: Node, env: dict[str, str], **extra: Any
+) -> subprocess.Popen[bytes]:
     head = topo.nodes[0]
     argv = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block"]
     argv += ["--node-ip-address", node.address, "--disable-usage-stats"]
@@ -292,6 +300,10 @@ def start_ray(topo: Topology, node: Node, env: dict[str, str], tmp: Path, **extr
     )
     topo.procs.append(proc)
     topo._ray[node.name] = proc
+    return proc
+
+
+def _joined(node: Node, proc: subprocess.Popen[bytes]) -> None:
     assert proc.stdout is not None
     log: list[str] = []
     try:  # `ray start` says so once its node has joined (the head: once its GCS is up)
@@ -362,10 +374,17 @@ def start_cluster(
     topo.env = env
     redis_url = start_redis(topo, env, scratch)
     topo.redis_url = redis_url
+    spawned: list[tuple[Node, subprocess.Popen[bytes]]] = []
     for node, pool in zip(topo.nodes, pools, strict=True):
         topo.pools[node.name] = pool
         num_cpus = 0 if pool == "router" else 1
-        start_ray(topo, node, env, scratch, num_cpus=num_cpus, resources={f"pd_{pool}": 4})
+        proc = _spawn_ray(topo, node, env, num_cpus=num_cpus, resources={f"pd_{pool}": 4})
+        if node is topo.nodes[0]:
+            _joined(node, proc)  # the others join its GCS
+        else:
+            spawned.append((node, proc))
+    for node, proc in spawned:  # they join side by side, as hosts of their own would
+        _joined(node, proc)
     num_prefill, num_decode = pools.count("prefill"), pools.count("decode")
     flags = extra_flags or []
     up = pdserve_up(topo, env, model_dir, redis_url, transport, num_prefill, num_decode, flags)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import sys
 import threading
@@ -363,4 +364,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # the cluster it ran in this process is stopped: skip the interpreter's final
+    # collections over its heap (~2 s of the exit on 2 cores, freeing nothing needed)
+    gc.freeze()
+    sys.exit(code)

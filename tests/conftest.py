@@ -32,7 +32,7 @@ import torch
 
 from pdserve.benchmarks.bench_report import sample, scrape_metrics
 from pdserve.deploy.redis_server import drain, free_port, wait_for_line, wait_session_empty
-from pdserve.engine.demo_model import default_model_dir, write_random_model
+from pdserve.engine.demo_model import CACHE_DIR_ENV, default_model_dir, write_random_model
 
 # NOTE: `triton.jit` decides when a kernel module is imported whether kernels are compiled
 # or interpreted, so the switch is set here, before any test module can import
@@ -85,11 +85,60 @@ def demo_model_dir(random_model_dir: Path) -> Path:
     return random_model_dir
 
 
+class DemoRebuild:
+    """The demo's second build: `pdserve generate` on an empty cache, in a process of its
+    own (tests/engine/test_demo_model.py checks it announces itself and writes the very
+    bytes of the session's build). Output goes to files, so it never waits on a pipe."""
+
+    ARGV = ("-m", "pdserve.deploy.cli", "generate", "--prompt", "The river")
+
+    def __init__(self, folder: Path) -> None:
+        self.cache = folder / "cache"
+        self._stdout, self._stderr = folder / "stdout.txt", folder / "stderr.txt"
+        env = {**os.environ, CACHE_DIR_ENV: str(self.cache), "OMP_NUM_THREADS": "1"}
+        with self._stdout.open("w") as out, self._stderr.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, *self.ARGV], stdout=out, stderr=err, env=env, text=True
+            )
+
+    def result(self, timeout_s: float) -> subprocess.CompletedProcess[str]:
+        """Wait for it (raises subprocess.TimeoutExpired); its exit status and output."""
+        code = self.proc.wait(timeout_s)
+        stdout, stderr = self._stdout.read_text(), self._stderr.read_text()
+        return subprocess.CompletedProcess(self.proc.args, code, stdout, stderr)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+DEMO_REBUILD_TEST = "test_demo_build_is_deterministic_and_announced"
+
+
 @pytest.fixture(scope="session")
-def trained_demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def demo_rebuild(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DemoRebuild | None]:
+    """Started with the session's build (`trained_demo_dir`) when the determinism test is
+    selected, None otherwise: each training runs on one thread (~40 s), so on two cores the
+    two run side by side instead of one after the other."""
+    if not any(item.name == DEMO_REBUILD_TEST for item in request.session.items):
+        yield None
+        return
+    rebuild = DemoRebuild(tmp_path_factory.mktemp("rebuild"))
+    yield rebuild
+    rebuild.stop()
+
+
+@pytest.fixture(scope="session")
+def trained_demo_dir(
+    tmp_path_factory: pytest.TempPathFactory, demo_rebuild: DemoRebuild | None
+) -> Path:
     """The built-in demo model (trained: about 40 s), for tests whose subject it
     is; built once per session the way `pdserve up` builds it, in a cache folder: pass
-    `trained_demo_dir.parent` as $PDSERVE_CACHE_DIR to find it there."""
+    `trained_demo_dir.parent` as $PDSERVE_CACHE_DIR to find it there. (`demo_rebuild`,
+    the second build, is started first: it trains meanwhile, in its own process.)"""
     return default_model_dir(tmp_path_factory.mktemp("cache"))
 
 

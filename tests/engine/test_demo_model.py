@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -36,6 +36,9 @@ from pdserve.engine.demo_model import (
     write_random_model,
 )
 from pdserve.engine.demo_training import LlamaForTraining
+
+if TYPE_CHECKING:
+    from tests.conftest import DemoRebuild
 
 EXPECTED_FILES = {
     "config.json",
@@ -125,17 +128,15 @@ def test_demo_loads_with_transformers_as_trained(trained_demo_dir: Path) -> None
         torch.testing.assert_close(ours.eval()(ids), model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_demo_build_is_deterministic_and_announced(trained_demo_dir: Path, tmp_path: Path) -> None:
+def test_demo_build_is_deterministic_and_announced(
+    trained_demo_dir: Path, demo_rebuild: DemoRebuild | None
+) -> None:
     """A second build, by `pdserve generate` on an empty cache in another process, says it
-    is training and writes the very bytes of the first."""
-    cache = tmp_path / "cache"
-    result = subprocess.run(
-        [sys.executable, "-m", "pdserve.deploy.cli", "generate", "--prompt", "The river"],
-        env={**os.environ, CACHE_DIR_ENV: str(cache), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT_S,
-    )
+    is training and writes the very bytes of the first. (The process is `demo_rebuild`,
+    started by conftest.py alongside the first build, so that both train at once.)"""
+    assert demo_rebuild is not None, "conftest.py starts it when this test is selected"
+    cache = demo_rebuild.cache
+    result = demo_rebuild.result(BUILD_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     assert "training the demo model (first use, ~" in result.stderr
     assert re.search(r"step \d+/\d+, loss [\d.]+", result.stderr), result.stderr

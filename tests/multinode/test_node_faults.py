@@ -50,6 +50,10 @@ RAY_HEALTH = {
     "RAY_health_check_timeout_ms": "500",
     "RAY_health_check_failure_threshold": "4",
 }
+# The request cut mid-push ends only when the router stops waiting for the prefill
+# worker's report (its call to the cut node's replica does not fail within the default
+# 30 s); the cut push never needs long, nor do the unshaped ones
+TRANSFER_TIMEOUT_S = 8.0
 CUT_TOKENS = 800  # streams long enough to act on while they run
 STREAM_TOKENS = 800
 
@@ -115,6 +119,7 @@ def test_faults_only_several_hosts_have(
         pools = ["router", "prefill", "decode", "decode"]
         flags = ["--dtype", "float32", "--disagg-policy", "always", "--block-size", "8"]
         flags += ["--heartbeat-s", str(HEARTBEAT_S), "--worker-lease-s", str(LEASE_S)]
+        flags += ["--transfer-timeout-s", str(TRANSFER_TIMEOUT_S)]
         url = start_cluster(topo, model_dir, "grpc", pools, tmp_path, flags, RAY_HEALTH)
         by_address = {n.address: n for n in topo.nodes}
         prefill_node = topo.nodes[1]
