@@ -77,7 +77,10 @@ def quantize(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     limit = _QMAX[kv_cache_dtype]
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = (amax / limit).clamp_min(_MIN_SCALE).to(SCALE_DTYPE)
+    # NOTE: a tensor divisor: CUDA torch turns division by a Python number into a multiply
+    # by its reciprocal, which can round a scale differently from the CPU and the Triton
+    # write (kernels/reshape_and_cache.py divides, IEEE)
+    scale = (amax / amax.new_full((), limit)).clamp_min(_MIN_SCALE).to(SCALE_DTYPE)
     scaled = (xf / scale.float()).clamp(-limit, limit)
     if kv_cache_dtype == "int8":
         codes = scaled.round().to(torch.int8)
