@@ -206,24 +206,12 @@ def make_draft(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, int]
     built: dict[tuple[Path, int], Path] = {}
 
     def make(model_dir: Path, layers: int = 1) -> Path:
-        from safetensors.torch import load_file, save_file
+        from pdserve.benchmarks.speculative import first_layers
 
         if (model_dir, layers) in built:
             return built[model_dir, layers]
         out = tmp_path_factory.mktemp("draft") / f"{model_dir.name}-{layers}-layers"
-        out.mkdir()
-        for f in model_dir.iterdir():
-            if f.is_file() and f.name != "model.safetensors":
-                shutil.copyfile(f, out / f.name)
-        tensors = load_file(model_dir / "model.safetensors")
-        kept = {
-            k: v
-            for k, v in tensors.items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
-        }
-        save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
-        config = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+        first_layers(model_dir, out, layers)
         built[model_dir, layers] = out
         return out
 
