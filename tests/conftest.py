@@ -13,6 +13,7 @@ process behind.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import json
 import os
@@ -48,6 +49,13 @@ QWEN2_BIAS_STD = 0.1
 
 MakeCheckpoint = Callable[..., Path]
 HFGreedy = Callable[..., list[list[int]]]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run is over and the process exits next: the interpreter's final collections
+    would walk the whole session's heap (torch, transformers, Ray: ~2 s or more on 2
+    cores) to free memory the exit frees anyway. Frozen, they skip it."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)
