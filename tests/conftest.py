@@ -17,8 +17,10 @@ import gc
 import inspect
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -32,7 +34,7 @@ import pytest
 import torch
 
 from pdserve.benchmarks.bench_report import sample, scrape_metrics
-from pdserve.deploy.redis_server import drain, free_port, wait_for_line, wait_session_empty
+from pdserve.deploy.redis_server import drain, wait_for_line, wait_session_empty
 from pdserve.engine.demo_model import CACHE_DIR_ENV, default_model_dir, write_random_model
 
 # NOTE: `triton.jit` decides when a kernel module is imported whether kernels are compiled
@@ -375,6 +377,38 @@ def _read_until_ready(proc: subprocess.Popen[str], log: list[str]) -> str:
     return line.split("pdserve ready at ", 1)[1].strip()
 
 
+# Where a test cluster's HTTP ports come from: below Linux's ephemeral range (32768 up).
+# A port bound to 0 and released (`free_port`) is an ephemeral one, which the cluster's
+# own processes (Ray's workers, Redis, KV receivers, all binding port 0) may be handed
+# before the router binds it: Serve then finds its only direct-ingress port taken and
+# the router never starts (seen once as `NoAvailablePortError`).
+HTTP_PORTS = range(20000, 32000)
+
+
+def cluster_port(count: int = 1) -> int:
+    """A port P outside the ephemeral range with P .. P + count - 1 free on loopback."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(HTTP_PORTS.start, HTTP_PORTS.stop - count)
+        socks = [socket.socket() for _ in range(count)]
+        try:
+            for i, sock in enumerate(socks):
+                sock.bind(("127.0.0.1", port + i))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        return port
+    raise RuntimeError(f"no {count} consecutive free ports in {HTTP_PORTS}")
+
+
+@pytest.fixture(scope="session")
+def free_cluster_port() -> Callable[[int], int]:
+    """`free_cluster_port(count)`: `cluster_port` for tests that pass their own --port."""
+    return cluster_port
+
+
 @contextlib.contextmanager
 def start_cluster(model_dir: Path, *args: str) -> Iterator[str]:
     """Run `pdserve up --model model_dir ARGS` on a free port; yield its base URL.
@@ -385,7 +419,7 @@ def start_cluster(model_dir: Path, *args: str) -> Iterator[str]:
     default policy.
     """
     argv = [sys.executable, "-m", "pdserve.deploy.cli", "up", "--model", str(model_dir)]
-    argv += ["--port", str(free_port()), *args]
+    argv += ["--port", str(cluster_port()), *args]
     if "--disagg-policy" not in args:
         argv += ["--disagg-policy", "always"]
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1"}

@@ -8,39 +8,22 @@ with exactly `transformers`' greedy tokens, streamed and not.
 from __future__ import annotations
 
 import random
-import socket
 from pathlib import Path
 from typing import Any
 
 import openai
 
-from pdserve.deploy.redis_server import free_port
-
 MAX_TOKENS = 6
 
 
-def _two_free_ports() -> int:
-    """A port P with P + 1 free too (both bound and released here)."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports on loopback")
-
-
 def test_every_router_replica_serves_http_on_its_own_port(
-    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any, free_cluster_port: Any
 ) -> None:
     model_dir = Path(make_checkpoint())
     rng = random.Random(5)
     prompt = [rng.randrange(5, 512) for _ in range(12)]
     (want,) = hf_greedy(model_dir, [prompt], MAX_TOKENS)
-    port = _two_free_ports()
+    port = free_cluster_port(2)  # P and P + 1, outside the ephemeral range
     flags = (
         *("--mode", "colocated", "--router-replicas", "2", "--port", str(port)),
         *("--dtype", "float32", "--replica-cpus", "0", "--threads", "1"),
