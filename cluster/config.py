@@ -166,6 +166,20 @@ class PoolAutoscaling(BaseModel):
         return self
 
 
+class APIKeyDefaults(BaseModel):
+    """What a request made with one API key gets unless it says otherwise.
+
+    `priority`: the request's scheduling and shedding priority when it sends none
+    (larger is more important). `cache_salt`: the tenant's prefix-cache namespace when the
+    request sends none: keys with different salts never share a KV block.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    priority: int = 0
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+
+
 class ClusterConfig(BaseModel):
     """Everything a router, prefill or decode replica needs to know about the cluster."""
 
@@ -298,6 +312,9 @@ class ClusterConfig(BaseModel):
     # "Authorization: Bearer KEY" (401 otherwise). Past max_inflight_requests streams
     # per router replica, new requests get 429 with Retry-After.
     api_keys: list[str] = Field(default_factory=list, repr=False)
+    # Per-key defaults (priority, cache_salt), keyed by the API key itself (each must be
+    # one of api_keys); from `KEY priority=N cache_salt=S` lines of --api-keys-file.
+    api_key_defaults: dict[str, APIKeyDefaults] = Field(default_factory=dict, repr=False)
     max_inflight_requests: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
 
@@ -324,6 +341,11 @@ class ClusterConfig(BaseModel):
                 parse_cpu_set(cpus)
         if self.mode == "disagg" and self.prefill_replicas < 1:
             raise ValueError("disagg mode needs at least one prefill replica")
+        unknown = [k for k in self.api_key_defaults if k not in self.api_keys]
+        if unknown:  # never print a key: say how many
+            raise ConfigError(
+                "api_key_defaults", f"{len(unknown)} key(s) with defaults are not in api_keys"
+            )
         if self.heartbeat_s >= self.worker_lease_s:
             raise ValueError("heartbeat_s must be shorter than worker_lease_s")
         if self.kv_tls is not None and self.transport != "grpc":

@@ -75,12 +75,24 @@ def _int_or_off(text: str) -> int | None:
     return None if text.strip().lower() in ("off", "none") else int(text)
 
 
-def _api_keys(path: str | None) -> list[str]:
-    """Keys from $PDSERVE_API_KEYS and the file (never from argv: `ps` shows argv)."""
+def _api_keys(path: str | None) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Keys from $PDSERVE_API_KEYS and the file (never from argv: `ps` shows argv), and
+    each file key's defaults: a line is `KEY [priority=N] [cache_salt=S]`."""
     keys = [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",")]
+    defaults: dict[str, dict[str, Any]] = {}
     if path is not None:
-        keys += [line.strip() for line in Path(path).read_text().splitlines()]
-    return [k for k in keys if k]
+        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+            key, *settings = line.split() or [""]
+            keys.append(key)
+            for setting in settings:
+                name, sep, value = setting.partition("=")
+                if not sep or name not in ("priority", "cache_salt"):
+                    raise SystemExit(
+                        f"{path}:{number}: expected KEY [priority=N] [cache_salt=S], "
+                        f"got a setting {name!r}"
+                    )
+                defaults.setdefault(key, {})[name] = value
+    return [k for k in keys if k], defaults
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -101,6 +113,7 @@ def _up(args: argparse.Namespace) -> int:
     from pdserve.deploy.up import run_up
     from pdserve.engine.demo_model import resolve_model
 
+    api_keys, api_key_defaults = _api_keys(args.api_keys_file)
     config = ClusterConfig(
         model=str(resolve_model(args.model).resolve()),
         served_model_name=args.served_model_name,
@@ -145,7 +158,8 @@ def _up(args: argparse.Namespace) -> int:
         max_prefill_queue_s=args.max_prefill_queue_s,
         kv_wait_factor=args.kv_wait_factor,
         kv_wait_floor_s=args.kv_wait_floor_s,
-        api_keys=_api_keys(args.api_keys_file),
+        api_keys=api_keys,
+        api_key_defaults=api_key_defaults,
         max_inflight_requests=args.max_inflight_requests,
         max_body_bytes=args.max_body_bytes,
         prefill_cpus=args.prefill_cpus,

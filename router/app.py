@@ -34,7 +34,7 @@ from ray import serve
 from redis.exceptions import RedisError
 
 from pdserve.cluster import tracing
-from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.config import APIKeyDefaults, ClusterConfig
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.model_config import load_model_config
@@ -133,6 +133,9 @@ class _SlotStreamingResponse(StreamingResponse):
             self._release_slot()
 
 
+_NO_DEFAULTS = APIKeyDefaults()
+
+
 class _Request:
     """One validated request on its way through the router."""
 
@@ -153,6 +156,7 @@ class _Request:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.span: Span | None = None  # the request's span when tracing is on
+        self.key_defaults = _NO_DEFAULTS  # its API key's defaults (priority, cache_salt)
 
 
 POOL_HEALTH_TIMEOUT_S = 2.0  # per pool, when /health must ask the pools directly
@@ -203,6 +207,7 @@ class Router:
         self.core = RouterCore(cfg, prefill, decode, index, self.tracer)
         self._token_text = lru_cache(maxsize=65536)(self._decode_one)
         self._api_keys = [key.encode() for key in cfg.api_keys]
+        self._key_defaults = {k.encode(): v for k, v in cfg.api_key_defaults.items()}
         self._inflight = 0  # requests admitted and not yet finished, this replica
         self.core.metrics.inflight.set_function(lambda: self._inflight)
 
@@ -308,7 +313,8 @@ class Router:
     ) -> Response:
         endpoint = "completions" if kind == "completion" else "chat"
         try:
-            body = await self._admit(request)  # from here on, this request holds a slot
+            # from here on, this request holds a slot
+            body, key_defaults = await self._admit(request)
         except ProtocolError as exc:
             self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
@@ -321,6 +327,7 @@ class Router:
             self._release()
             self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
+        r.key_defaults = key_defaults
         if span is not None:  # never the prompt's text: ids and counts only
             r.span = span
             span.set_attributes(
@@ -355,25 +362,33 @@ class Router:
 
     # -- admission --------------------------------------------------------------------
 
-    def _authorize(self, request: Request) -> None:
-        """401 unless API keys are off or the bearer token is one (constant-time compare)."""
+    def _authorize(self, request: Request) -> APIKeyDefaults:
+        """401 unless API keys are off or the bearer token is one (constant-time compare).
+
+        Returns the key's defaults (priority, cache_salt): the empty defaults for a key
+        without any, or when keys are off.
+        """
         if not self._api_keys:
-            return
+            return _NO_DEFAULTS
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token.strip().encode()
-        ok = scheme.lower() == "bearer" and any(
-            hmac.compare_digest(given, key) for key in self._api_keys
+        matched = None
+        if scheme.lower() == "bearer":
+            for key in self._api_keys:  # every key compared: the time says nothing
+                if hmac.compare_digest(given, key):
+                    matched = key
+        if matched is not None:
+            return self._key_defaults.get(matched, _NO_DEFAULTS)
+        raise ProtocolError(
+            "missing or invalid API key (send 'Authorization: Bearer KEY')",
+            status_code=401,
+            code="invalid_api_key",
         )
-        if not ok:
-            raise ProtocolError(
-                "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                status_code=401,
-                code="invalid_api_key",
-            )
 
-    async def _admit(self, request: Request) -> bytes:
-        """Authorize, bound the in-flight load and the body size; return the body."""
-        self._authorize(request)
+    async def _admit(self, request: Request) -> tuple[bytes, APIKeyDefaults]:
+        """Authorize, bound the in-flight load and the body size; return the body and
+        the API key's defaults."""
+        defaults = self._authorize(request)
         if self._inflight >= self.config.max_inflight_requests:
             raise ProtocolError(
                 f"the router is at its limit of {self.config.max_inflight_requests} "
@@ -384,7 +399,7 @@ class Router:
         # Taken before the first await: the check and the increment must not be split.
         self._inflight += 1
         try:
-            return await self._read_body(request)
+            return await self._read_body(request), defaults
         except BaseException:
             self._inflight -= 1
             raise

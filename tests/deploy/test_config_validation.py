@@ -176,6 +176,27 @@ def test_serve_args_read_secrets_from_the_environment(
     assert redact_url(config.redis_url) == "redis://:***@redis:6379/0"
 
 
+def test_the_keys_file_gives_each_key_its_defaults(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.deploy.cli import _api_keys
+
+    monkeypatch.delenv("PDSERVE_API_KEYS", raising=False)
+    path = tmp_path / "keys"
+    path.write_text("sk-gold priority=10 cache_salt=tenant-a\n\nsk-plain\n")
+    keys, defaults = _api_keys(str(path))
+    assert keys == ["sk-gold", "sk-plain"]
+    config = ClusterConfig(model=str(model_dir), api_keys=keys, api_key_defaults=defaults)
+    gold = config.api_key_defaults["sk-gold"]
+    assert (gold.priority, gold.cache_salt) == (10, "tenant-a")
+    assert "sk-gold" not in repr(config)
+    path.write_text("sk-x colour=red\n")
+    with pytest.raises(SystemExit, match="keys:1: expected KEY"):
+        _api_keys(str(path))
+    with pytest.raises(ValueError, match="api_key_defaults: 1 key"):
+        ClusterConfig(model=str(model_dir), api_keys=["a"], api_key_defaults={"b": {}})
+
+
 def test_the_embedded_redis_requires_its_password() -> None:
     with EmbeddedRedis(password=PASSWORD) as server:
         assert PASSWORD in server.url
