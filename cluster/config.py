@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from pdserve.cluster.model_routes import ModelRoute, route_problems
 from pdserve.engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     EngineConfig,
@@ -189,6 +190,10 @@ class ClusterConfig(BaseModel):
     served_model_name: str | None = Field(
         default=None, description="the model id clients send (default: the folder name)"
     )
+    # Routed model names (cluster/model_routes.py): a name clients send, mapped by the
+    # operator's rules (prompt length, max_tokens, header, metadata tag, canary share) to
+    # one of the served models.
+    routes: list[ModelRoute] = Field(default_factory=list)
     mode: Mode = "disagg"
     transport: Transport = "grpc"
     placement: Placement = "prefix-aware"
@@ -366,6 +371,9 @@ class ClusterConfig(BaseModel):
         scheme = urlsplit(self.redis_url).scheme
         if self.redis_url and scheme not in ("redis", "rediss", "unix"):
             raise ConfigError("redis_url", "must be a redis://, rediss:// or unix:// URL")
+        problems = route_problems(self.routes, self.served_model_ids())
+        if problems:
+            raise ConfigError("routes", "; ".join(problems))
         self._check_tensor_parallel()
         try:
             for role in self.roles():  # the engine's own rules (block_size a power of two, ...)
@@ -433,6 +441,10 @@ class ClusterConfig(BaseModel):
     @property
     def model_id(self) -> str:
         return self.served_model_name or Path(self.model).name
+
+    def served_model_ids(self) -> list[str]:
+        """The model ids clients may name (routes aside)."""
+        return [self.model_id]
 
     def roles(self) -> tuple[str, ...]:
         """The worker pools this cluster runs: colocated mode has only the decode pool."""

@@ -67,6 +67,18 @@ def _json_arg(text: str | None) -> Any:
         raise ValueError(f"not valid JSON: {text!r} ({exc})") from exc
 
 
+def _routes_file(path: str | None) -> list[Any]:
+    """The `routes` a YAML (or JSON) file lists: `[{name, default, rules: [...]}, ...]`."""
+    if path is None:
+        return []
+    import yaml
+
+    routes = yaml.safe_load(Path(path).read_text())
+    if not isinstance(routes, list):
+        raise ValueError(f"{path}: expected a list of routes, got {type(routes).__name__}")
+    return routes
+
+
 def _float_or_off(text: str) -> float | None:
     return None if text.strip().lower() in ("off", "none") else float(text)
 
@@ -164,6 +176,7 @@ def _up(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         prefill_cpus=args.prefill_cpus,
         decode_cpus=args.decode_cpus,
+        routes=_routes_file(args.routes_file),
         prefill_autoscaling=_json_arg(args.prefill_autoscaling),
         decode_autoscaling=_json_arg(args.decode_autoscaling),
         kv_tls=_kv_tls(args),
@@ -317,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a serving cluster (OpenAI API) and run until Ctrl-C")
     _add_model_arg(up)
     up.add_argument("--served-model-name", default=None, help="model id for clients")
+    up.add_argument(
+        "--routes-file",
+        default=None,
+        help="YAML list of routed model names and their rules (the `routes` field)",
+    )
     up.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     up.add_argument("--transport", choices=["grpc", "ucx"], default="grpc")
     up.add_argument(
