@@ -256,6 +256,13 @@ def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     load.add_argument("--num-requests", type=int, default=None, help="per run (default 100)")
     load.add_argument("--duration", type=float, default=None, help="seconds per run")
     load.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    load.add_argument(
+        "--repeat-fraction",
+        type=float,
+        default=0.0,
+        help="resend an earlier request (greedy: the same output) for this fraction of "
+        "requests; the report shows the result cache's hit rate and TTFT of hits vs misses",
+    )
     shape = bench.add_argument_group("workload shape (None: the workload's default)")
     for flag, kind, what in (
         ("--num-prefixes", int, "shared-prefix: K system prompts"),
