@@ -449,7 +449,7 @@ class Router:
             items = await self._cached(r)
             if items is None:
                 items = await self.core.start(r.id, r.prompt_ids, r.params, r.arrival_s, r.span)
-                if self.result_cache is not None and r.cache is not None:
+                if self.result_cache is not None and r.cache is not None and r.cache.write:
                     items = self.result_cache.record(r.cache, items)
         except Overloaded as exc:
             self._release()
