@@ -50,7 +50,10 @@ sent as `Authorization: Bearer KEY` (the CLI reads `$OPENAI_API_KEY`, never argv
 `ps` shows); `model` (a `ModelInfo`) skips `GET /v1/models`, whose card otherwise gives
 the model id (unless `model_id`) and `max_model_len`, with `vocab_size` / `max_model_len`
 as fallbacks. `seed` fixes the prompts; each run of a sweep reuses it, so every rate sees
-the same requests.
+the same requests. `repeat_fraction` (`--repeat-fraction`) resends an earlier request
+(greedy, so the same output) in place of that fraction of new ones: the report then shows
+pdserve's result-cache hit rate and the TTFT of hits and misses (from the
+`x-pdserve-result-cache` response header).
 `summarize(records, duration_s, slo, server=None) -> Summary` reduces records again
 (e.g. under another SLO). Raises ValueError for a bad configuration.
 """
@@ -90,6 +93,7 @@ from pdserve.benchmarks.bench_workloads import (
     Trace,
     Workload,
     parse_workload,
+    with_repeats,
 )
 
 __all__ = [
@@ -282,9 +286,12 @@ async def run_benchmark(
     max_model_len: int = 2048,
     api_key: str | None = None,
     progress: bool = True,
+    repeat_fraction: float = 0.0,
 ) -> BenchResult:
     """Run one benchmark against `base_url` (no `/v1`); see the module docstring."""
     _check_run(workload, arrival, num_requests, duration_s)
+    if repeat_fraction and isinstance(arrival, TraceTimes):
+        raise ValueError("repeats need a rate or users: a resend has no trace timestamp")
     base_url = base_url.rstrip("/")
     connector = aiohttp.TCPConnector(limit=0)  # concurrency is the arrival process's to set
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
@@ -294,7 +301,10 @@ async def run_benchmark(
     ) as session:
         if model is None:
             model = await fetch_model_info(session, base_url, model_id, vocab_size, max_model_len)
-        specs = itertools.islice(workload.requests(model, seed), num_requests)
+        specs: Iterator[RequestSpec] = workload.requests(model, seed)
+        if repeat_fraction:
+            specs = with_repeats(specs, repeat_fraction, seed)
+        specs = itertools.islice(specs, num_requests)
         before = await _scrape(session, base_url)
         bar = tqdm(
             total=num_requests,

@@ -88,6 +88,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                 max_model_len=args.max_model_len,
                 api_key=os.environ.get("OPENAI_API_KEY") or None,
                 progress=not args.no_progress,
+                repeat_fraction=getattr(args, "repeat_fraction", 0.0),
             )
             for arrival in arrivals
         ]

@@ -29,6 +29,7 @@ import aiohttp
 from pdserve.benchmarks.bench_workloads import RequestSpec
 
 FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+RESULT_CACHE_HEADER = "x-pdserve-result-cache"  # router/result_cache.py
 STALL = "stall"
 
 
@@ -63,6 +64,8 @@ class RequestRecord:
     success: bool = False
     reason: str = ""
     error: str = ""
+    result_cache: str = ""  # pdserve's x-pdserve-result-cache: "hit", "miss", "bypass"
+    repeat_of: int | None = None  # the request it resends (`--repeat-fraction`)
 
     @property
     def tpot_s(self) -> float | None:
@@ -122,6 +125,7 @@ async def send_request(
         start_s=start - run_start_s,
         prompt_len=spec.prompt_len,
         output_len=spec.output_len,
+        repeat_of=spec.repeat_of,
     )
     stream = _Stream(record, start, limits.stall_timeout_s)
     deadline = asyncio.timeout(limits.first_token_timeout_s)
@@ -167,6 +171,7 @@ class _Stream:
         deadline: asyncio.Timeout,
     ) -> None:
         resp = await session.post(url, json=body)
+        self.record.result_cache = resp.headers.get(RESULT_CACHE_HEADER, "")
         done = False
         try:
             if resp.status != 200:

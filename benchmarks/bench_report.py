@@ -118,6 +118,40 @@ class ServerStats:
 
 
 @dataclass(frozen=True)
+class ResultCacheStats:
+    """What pdserve's `x-pdserve-result-cache` header said over a run's successes."""
+
+    hits: int
+    misses: int
+    bypassed: int
+    repeats: int  # requests that resent an earlier one (`--repeat-fraction`)
+    hit_rate: float | None  # hits / requests that carried the header
+    ttft_hit_s: Latency
+    ttft_miss_s: Latency
+
+    @classmethod
+    def of(cls, records: Sequence[RequestRecord]) -> ResultCacheStats | None:
+        """None when no response carried the header (no pdserve cache on the server)."""
+        said = [r for r in records if r.result_cache]
+        if not said:
+            return None
+
+        def ttft(status: str) -> Latency:
+            return Latency.of([r.ttft_s for r in said if r.result_cache == status and r.ttft_s])
+
+        hits = sum(r.result_cache == "hit" for r in said)
+        return cls(
+            hits=hits,
+            misses=sum(r.result_cache == "miss" for r in said),
+            bypassed=sum(r.result_cache == "bypass" for r in said),
+            repeats=sum(r.repeat_of is not None for r in records),
+            hit_rate=hits / len(said),
+            ttft_hit_s=ttft("hit"),
+            ttft_miss_s=ttft("miss"),
+        )
+
+
+@dataclass(frozen=True)
 class Summary:
     """One run reduced. Throughputs are per second of the run's wall time."""
 
@@ -137,6 +171,7 @@ class Summary:
     e2e_s: Latency
     server: ServerStats | None = None
     slo: SLO = field(default_factory=SLO)
+    result_cache: ResultCacheStats | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -170,6 +205,7 @@ def summarize(
         e2e_s=Latency.of([r.e2e_s for r in ok if r.e2e_s is not None]),
         server=server,
         slo=slo,
+        result_cache=ResultCacheStats.of(ok),
     )
 
 
@@ -206,6 +242,13 @@ def _totals_table(s: Summary) -> list[str]:
         f"| goodput ({slo or 'no SLO'}) | {s.goodput:.2f} req/s ({s.num_within_slo} requests) |",
         f"| prompt / output tokens | {s.prompt_tokens} / {s.output_tokens} |",
     ]
+    if (rc := s.result_cache) is not None:
+        cached = "-" if rc.hit_rate is None else f"{rc.hit_rate:.1%}"
+        rows += [
+            f"| result cache hit rate | {cached} ({rc.hits} hits, {rc.misses} misses, "
+            f"{rc.bypassed} bypassed; {rc.repeats} repeated requests) |",
+            f"| TTFT p50 hits / misses | {_ms(rc.ttft_hit_s.p50)} / {_ms(rc.ttft_miss_s.p50)} ms |",
+        ]
     if s.server is None:
         return [*rows, "| server metrics | not available |"]
     for pool, rate in sorted(s.server.prefix_hit_rate.items()):

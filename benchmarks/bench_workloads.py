@@ -9,6 +9,7 @@ prompt length is exact; the same seed gives the same requests in the same order.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -42,6 +43,7 @@ class RequestSpec:
     output_len: int
     kind: str = ""
     arrival_s: float | None = None
+    repeat_of: int | None = None  # `with_repeats`: the index of the request it resends
 
     @property
     def prompt_len(self) -> int | None:
@@ -215,6 +217,27 @@ def _trace_entry(entry: dict[str, object], index: int) -> RequestSpec:
     if timestamp < 0:
         raise ValueError("timestamp must be >= 0")
     return RequestSpec(index, prompt, output_len, kind="trace", arrival_s=timestamp)
+
+
+def with_repeats(specs: Iterator[RequestSpec], fraction: float, seed: int) -> Iterator[RequestSpec]:
+    """`specs`, with each request after the first replaced, with probability `fraction`,
+    by a resend of an earlier one (its prompt and output length; seeded, uniform over
+    the requests sent so far): what a result cache serves (`--repeat-fraction`)."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"the repeat fraction must be in [0, 1), got {fraction}")
+    rng = random.Random(f"repeats-{seed}")
+    sent: list[RequestSpec] = []
+    for index in itertools.count():
+        if sent and rng.random() < fraction:
+            was = rng.choice(sent)
+            yield dataclasses.replace(was, index=index, repeat_of=was.index, arrival_s=None)
+            continue
+        spec = next(specs, None)
+        if spec is None:
+            return
+        spec = dataclasses.replace(spec, index=index)
+        sent.append(spec)
+        yield spec
 
 
 def parse_workload(name: str, **params: object) -> Workload:

@@ -322,6 +322,13 @@ class ClusterConfig(BaseModel):
     api_key_defaults: dict[str, APIKeyDefaults] = Field(default_factory=dict, repr=False)
     max_inflight_requests: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    # The result cache (router/result_cache.py): fully determined requests' outputs
+    # (greedy or seeded) kept in the cluster's Redis for this long; None: off. At most
+    # result_cache_max_entries entries (the oldest go first), each at most
+    # result_cache_max_entry_bytes (a larger result is not stored).
+    result_cache_ttl_s: float | None = Field(default=None, gt=0)
+    result_cache_max_entries: int = Field(default=10_000, ge=1)
+    result_cache_max_entry_bytes: int = Field(default=1 << 20, ge=1024)
 
     # Leases and deadlines (docs/kv-handoff.md).
     worker_lease_s: float = Field(default=10.0, gt=0)

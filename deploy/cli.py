@@ -174,6 +174,9 @@ def _up(args: argparse.Namespace) -> int:
         api_key_defaults=api_key_defaults,
         max_inflight_requests=args.max_inflight_requests,
         max_body_bytes=args.max_body_bytes,
+        result_cache_ttl_s=args.result_cache_ttl_s,
+        result_cache_max_entries=args.result_cache_max_entries,
+        result_cache_max_entry_bytes=args.result_cache_max_entry_bytes,
         prefill_cpus=args.prefill_cpus,
         decode_cpus=args.decode_cpus,
         routes=_routes_file(args.routes_file),
@@ -266,6 +269,13 @@ def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     load.add_argument("--num-requests", type=int, default=None, help="per run (default 100)")
     load.add_argument("--duration", type=float, default=None, help="seconds per run")
     load.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    load.add_argument(
+        "--repeat-fraction",
+        type=float,
+        default=0.0,
+        help="resend an earlier request (greedy: the same output) for this fraction of "
+        "requests; the report shows the result cache's hit rate and TTFT of hits vs misses",
+    )
     shape = bench.add_argument_group("workload shape (None: the workload's default)")
     for flag, kind, what in (
         ("--num-prefixes", int, "shared-prefix: K system prompts"),
@@ -518,6 +528,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--max-inflight-requests", type=int, default=1024, help="per router replica")
     up.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    up.add_argument(
+        "--result-cache-ttl-s",
+        type=_float_or_off,
+        default=None,
+        help="keep greedy and seeded requests' results in Redis this long and answer "
+        "repeats from there (default: off)",
+    )
+    up.add_argument("--result-cache-max-entries", type=int, default=10_000)
+    up.add_argument(
+        "--result-cache-max-entry-bytes",
+        type=int,
+        default=1 << 20,
+        help="a larger result is not cached",
+    )
     up.add_argument("--prefill-cpus", default=None, help="pin prefill replicas to these CPUs")
     up.add_argument("--decode-cpus", default=None, help="pin decode replicas to these CPUs")
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")

@@ -50,6 +50,8 @@ from pdserve.router.protocol import (
     parse_request,
     to_sampling_params,
 )
+from pdserve.router.result_cache import HEADER as RESULT_CACHE_HEADER
+from pdserve.router.result_cache import CachePlan, ResultCache
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +159,11 @@ class _Request:
         self.created = int(time.time())
         self.span: Span | None = None  # the request's span when tracing is on
         self.key_defaults = _NO_DEFAULTS  # its API key's defaults (priority, cache_salt)
+        self.cache: CachePlan | None = None  # the result cache's plan (when it is on)
+
+
+def _hit(r: _Request) -> bool:
+    return r.cache is not None and r.cache.hit
 
 
 POOL_HEALTH_TIMEOUT_S = 2.0  # per pool, when /health must ask the pools directly
@@ -210,6 +217,7 @@ class Router:
         self._key_defaults = {k.encode(): v for k, v in cfg.api_key_defaults.items()}
         self._inflight = 0  # requests admitted and not yet finished, this replica
         self.core.metrics.inflight.set_function(lambda: self._inflight)
+        self.result_cache = ResultCache.from_config(cfg, self.redis, self.core.metrics)
 
     def __del__(self) -> None:
         """Serve stops the replica: export the spans still batched (tracing on)."""
@@ -328,6 +336,11 @@ class Router:
             self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
         r.key_defaults = key_defaults
+        if self.result_cache is not None:
+            salt = getattr(r.req, "cache_salt", None) or key_defaults.cache_salt
+            r.cache = self.result_cache.plan(
+                r.prompt_ids, r.params, salt, request.headers, r.req.result_cache
+            )
         if span is not None:  # never the prompt's text: ids and counts only
             r.span = span
             span.set_attributes(
@@ -433,7 +446,11 @@ class Router:
     async def _serve(self, r: _Request) -> Response:
         """Serve an admitted request; its in-flight slot is released when it ends."""
         try:  # placed before the response begins: past capacity, a 429 and nothing sent
-            items = await self.core.start(r.id, r.prompt_ids, r.params, r.arrival_s, r.span)
+            items = await self._cached(r)
+            if items is None:
+                items = await self.core.start(r.id, r.prompt_ids, r.params, r.arrival_s, r.span)
+                if self.result_cache is not None and r.cache is not None and r.cache.write:
+                    items = self.result_cache.record(r.cache, items)
         except Overloaded as exc:
             self._release()
             endpoint = "completions" if r.kind == "completion" else "chat"
@@ -443,17 +460,29 @@ class Router:
         except BaseException:  # e.g. cancelled (the client went away): the slot is free
             self._release()
             raise
+        cache_header = {} if r.cache is None else {RESULT_CACHE_HEADER: r.cache.status}
         if r.req.stream:
             return _SlotStreamingResponse(
                 self._stream(r, items),
                 release=self._release if r.span is None else lambda: self._release_traced(r),
                 media_type="text/event-stream",
-                headers=_SSE_HEADERS,
+                headers={**_SSE_HEADERS, **cache_header},
             )
         try:
-            return await self._complete(r, items)
+            response = await self._complete(r, items)
+            response.headers.update(cache_header)
+            return response
         finally:
             self._release()
+
+    async def _cached(self, r: _Request) -> AsyncIterator[dict[str, Any]] | None:
+        """The result cache's stored items for `r` (a hit), else None: no worker needed."""
+        if self.result_cache is None or r.cache is None:
+            return None
+        items = await self.result_cache.replay(r.cache)
+        if items is not None and r.span is not None:
+            r.span.set_attribute("pdserve.result_cache", "hit")
+        return items
 
     async def _complete(self, r: _Request, items: AsyncIterator[dict[str, Any]]) -> Response:
         endpoint = "completions" if r.kind == "completion" else "chat"
@@ -517,7 +546,7 @@ class Router:
             first_chunk = True
             async for item in items:
                 now = time.monotonic()
-                if last_token_s is not None and item["token_ids"]:
+                if last_token_s is not None and item["token_ids"] and not _hit(r):
                     self.core.metrics.itl.observe(now - last_token_s)
                 last_token_s = now
                 num_tokens += len(item["token_ids"])
@@ -552,7 +581,8 @@ class Router:
 
     def _observe_done(self, r: _Request, num_tokens: int, finish_reason: str | None) -> None:
         self.core.metrics.e2e.observe(time.monotonic() - r.arrival_s)
-        self.core.metrics.generation_tokens.inc(num_tokens)
+        if not _hit(r):  # a result cache hit generated nothing
+            self.core.metrics.generation_tokens.inc(num_tokens)
         if r.span is not None:
             attrs: dict[str, Any] = {"gen_ai.usage.output_tokens": num_tokens}
             if finish_reason is not None:

@@ -169,6 +169,35 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        # The result cache (router/result_cache.py); all 0 while it is off.
+        self.result_cache_hits = Counter(
+            "pdserve_result_cache_hits",
+            "Requests answered from the result cache, without reaching a worker",
+            registry=r,
+        )
+        self.result_cache_misses = Counter(
+            "pdserve_result_cache_misses",
+            "Fully determined requests looked up in the result cache and not found",
+            registry=r,
+        )
+        self.result_cache_errors = Counter(
+            "pdserve_result_cache_errors",
+            "Result cache lookups Redis did not answer in time (served by the workers)",
+            registry=r,
+        )
+        self.result_cache_stores = Counter(
+            "pdserve_result_cache_stores",
+            "Results offered to the result cache, by outcome",
+            ["result"],
+            registry=r,
+        )
+        for result in ("stored", "too_large", "error"):
+            self.result_cache_stores.labels(result)
+        self.result_cache_stored_bytes = Counter(
+            "pdserve_result_cache_stored_bytes",
+            "Bytes of results stored in the result cache",
+            registry=r,
+        )
         self.inflight = Gauge(
             "pdserve_router_inflight_requests",
             "Requests this router replica admitted and has not finished",

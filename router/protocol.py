@@ -242,6 +242,11 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="Extension: keep going past EOS.")
     return_token_ids: bool = Field(False, description="Extension: include token ids.")
+    result_cache: bool = Field(
+        True,
+        description="Extension: false: never answered from, nor stored in, the result cache "
+        "(when the server has one on), like 'Cache-Control: no-store'.",
+    )
     presence_penalty: float | None = Field(0.0, ge=0, le=0, description="Only 0 is supported.")
     frequency_penalty: float | None = Field(0.0, ge=0, le=0, description="Only 0 is supported.")
     repetition_penalty: float | None = Field(

@@ -12,6 +12,7 @@ and closes the connection (the server sees it go away).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -336,6 +337,50 @@ def test_workloads_are_seeded_and_stay_inside_the_model() -> None:
             assert s.output_len >= 1 and len(s.prompt) + s.output_len <= MODEL.max_model_len
     prefixes = {tuple(s.prompt[:16]) for s in take(SharedPrefix(3, 16, 4, 8), 50)}
     assert len(prefixes) == 3
+
+
+def test_repeats_resend_earlier_requests_and_the_report_splits_hits() -> None:
+    """`--repeat-fraction`: about that fraction resends an earlier request (seeded);
+    the report counts the result cache's answers and the TTFT of hits and misses."""
+    from pdserve.benchmarks.bench_client import RequestRecord
+    from pdserve.benchmarks.bench_report import SLO, markdown, summarize
+    from pdserve.benchmarks.bench_workloads import with_repeats
+
+    def specs(seed: int) -> list[Any]:
+        return list(
+            itertools.islice(
+                with_repeats(SharedPrefix(3, 16, 4, 8).requests(MODEL, 0), 0.5, seed), 400
+            )
+        )
+
+    got = specs(1)
+    assert got == specs(1) and got != specs(2)
+    assert [s.index for s in got] == list(range(400))
+    repeats = [s for s in got if s.repeat_of is not None]
+    assert 160 <= len(repeats) <= 240  # 0.5 of 400: far inside 5 sigma (10)
+    for s in repeats:
+        was = got[s.repeat_of]
+        assert was.repeat_of is None and was.index < s.index and was.prompt == s.prompt
+    fresh = [s.prompt for s in got if s.repeat_of is None]
+    assert fresh == [s.prompt for s in take(SharedPrefix(3, 16, 4, 8), len(fresh))]
+
+    def record(i: int, status: str, ttft: float) -> RequestRecord:
+        r = RequestRecord(i, "", 0.0, 4, 8, output_tokens=8, ttft_s=ttft, e2e_s=ttft + 1)
+        r.success, r.result_cache, r.repeat_of = True, status, 0 if status == "hit" else None
+        return r
+
+    records = [record(0, "miss", 0.4), record(1, "miss", 0.6), record(2, "hit", 0.002)]
+    records += [record(3, "hit", 0.004), record(4, "bypass", 0.5)]
+    summary = summarize(records, 1.0, SLO())
+    rc = summary.result_cache
+    assert rc is not None and (rc.hits, rc.misses, rc.bypassed, rc.repeats) == (2, 2, 1, 2)
+    assert rc.hit_rate == pytest.approx(0.4)
+    assert rc.ttft_hit_s.p50 == pytest.approx(0.003) and rc.ttft_miss_s.p50 == pytest.approx(0.5)
+    table = markdown([("run", summary)])
+    assert "| result cache hit rate | 40.0% (2 hits, 2 misses, 1 bypassed" in table
+    assert "| TTFT p50 hits / misses | 3.0 / 500.0 ms |" in table
+    no_header = [record(0, "", 0.4)]
+    assert summarize(no_header, 1.0, SLO()).result_cache is None  # another server
 
 
 def test_bad_configurations_raise() -> None:

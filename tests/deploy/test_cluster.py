@@ -40,8 +40,10 @@ CLUSTERS = {
     # KV built on the decode worker over prompt KV imported from a prefill worker).
     "colocated": ("--mode", "colocated", "--api-keys-file", "{keys}", "--speculative", SPEC),
     # Pinned pools: prefill on the first CPU, decode on the last (the same one on 1 CPU).
+    # The result cache on: a request repeated here (the streamed half of a stream test) is
+    # replayed from Redis; the other clusters serve every one on the workers.
     "disagg-grpc": (
-        *("--mode", "disagg", "--transport", "grpc"),
+        *("--mode", "disagg", "--transport", "grpc", "--result-cache-ttl-s", "600"),
         *("--speculative", "draft:{draft},k=4,adaptive=off"),
         *("--prefill-cpus", str(min(os.sched_getaffinity(0)))),
         *("--decode-cpus", str(max(os.sched_getaffinity(0)))),
@@ -463,6 +465,77 @@ def test_prefix_placement_and_only_missing_blocks_cross(
     assert bytes1 - bytes0 == blocks[0] * block_bytes
     assert bytes2 - bytes1 == (blocks[1] - 10) * block_bytes, "only the missing blocks cross"
     assert metric(url, "pdserve_ttft_breakdown_seconds_count", stage="transfer") > 0
+
+
+@on_disagg_grpc
+def test_result_cache_answers_repeats_without_a_worker(
+    cluster: tuple[str, str], model_dir: Path, hf_greedy: Any
+) -> None:
+    """A repeated greedy or seeded request is answered from the result cache, streamed
+    or not: the same tokens, and no worker did anything (the router's per-worker
+    counters and the decode workers' own speculation counters unchanged). A different
+    seed, a changed parameter and an opt-out reach the workers."""
+    _, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    prompt = make_prompts(seed=11, n=2)[0]  # 83 tokens: prefilled remotely
+    (want,) = hf_greedy(model_dir, [prompt], MAX_TOKENS)
+
+    def work() -> tuple[float, ...]:
+        scrape = scrape_metrics(url)
+        names = ("pdserve_placements_total", "pdserve_prompt_tokens_total")
+        totals = [sum(v for (n, _), v in scrape.items() if n == name) for name in names]
+        proposed = sum(w.get("spec_proposed_tokens", 0) for w in decode_workers(url))
+        return (*totals, sample(scrape, "pdserve_kv_transfer_blocks_total"), proposed)
+
+    def ask(headers: dict[str, str] | None = None, **kw: Any) -> tuple[list[int], str]:
+        args = {"temperature": 0, "max_tokens": MAX_TOKENS, **kw}
+        extra = {"ignore_eos": True, "return_token_ids": True, **args.pop("extra_body", {})}
+        raw = c.completions.with_raw_response.create(
+            model=model, prompt=prompt, extra_body=extra, extra_headers=headers, **args
+        )
+        tokens = raw.parse().choices[0].model_extra["token_ids"]
+        return tokens, raw.headers["x-pdserve-result-cache"]
+
+    hits0 = metric(url, "pdserve_result_cache_hits_total")
+    before = work()
+    assert ask() == (want, "miss")
+    served = work()
+    assert served[0] > before[0] and served[2] > before[2], "the first one reached workers"
+    assert ask() == (want, "hit")
+    assert work() == served, "a hit reached a worker"
+    raw = c.completions.with_raw_response.create(
+        model=model,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert raw.headers["x-pdserve-result-cache"] == "hit"
+    chunks = list(raw.parse())
+    streamed = [t for ch in chunks if ch.choices for t in ch.choices[0].token_ids]  # type: ignore[attr-defined]
+    assert streamed == want
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == MAX_TOKENS
+    assert work() == served, "a streamed hit reached a worker"
+    seeded, status = ask(temperature=1.0, seed=1234)
+    assert status == "miss"
+    after_seeded = work()
+    assert ask(temperature=1.0, seed=1234) == (seeded, "hit")
+    assert work() == after_seeded, "a seeded hit reached a worker"
+    assert metric(url, "pdserve_result_cache_hits_total") - hits0 == 3
+    changes: list[tuple[dict[str, Any], str]] = [
+        ({"temperature": 1.0, "seed": 1235}, "miss"),
+        ({"max_tokens": MAX_TOKENS - 1}, "miss"),
+        ({"headers": {"Cache-Control": "no-store"}}, "bypass"),
+        ({"extra_body": {"result_cache": False}}, "bypass"),
+    ]
+    for changed, want_status in changes:
+        last = work()
+        assert ask(**changed)[1] == want_status, changed
+        assert work()[0] > last[0], f"{changed}: not served by the workers"
 
 
 @on_disagg_grpc
