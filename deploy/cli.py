@@ -121,7 +121,7 @@ def _up(args: argparse.Namespace) -> int:
         for name, value in env.items():
             os.environ.setdefault(name, value)
 
-    from pdserve.cluster.config import ClusterConfig, ConfigError
+    from pdserve.cluster.config import APIKeyDefaults, ClusterConfig, ConfigError
     from pdserve.deploy.up import run_up
     from pdserve.engine.demo_model import resolve_model
 
@@ -171,7 +171,7 @@ def _up(args: argparse.Namespace) -> int:
         kv_wait_factor=args.kv_wait_factor,
         kv_wait_floor_s=args.kv_wait_floor_s,
         api_keys=api_keys,
-        api_key_defaults=api_key_defaults,
+        api_key_defaults={k: APIKeyDefaults.model_validate(v) for k, v in api_key_defaults.items()},
         max_inflight_requests=args.max_inflight_requests,
         max_body_bytes=args.max_body_bytes,
         result_cache_ttl_s=args.result_cache_ttl_s,
