@@ -42,6 +42,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.core import Overloaded, RouterCore, UpstreamError
 from pdserve.router.metrics import CONTENT_TYPE
+from pdserve.router.prefix_cache import with_default_salt
 from pdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -157,6 +158,7 @@ class _Request:
         self.created = int(time.time())
         self.span: Span | None = None  # the request's span when tracing is on
         self.key_defaults = _NO_DEFAULTS  # its API key's defaults (priority, cache_salt)
+        self.cached_tokens = 0  # prompt tokens a prefix cache served (router/prefix_cache.py)
 
 
 POOL_HEALTH_TIMEOUT_S = 2.0  # per pool, when /health must ask the pools directly
@@ -328,6 +330,7 @@ class Router:
             self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
         r.key_defaults = key_defaults
+        r.params = with_default_salt(r.params, key_defaults.cache_salt)
         if span is not None:  # never the prompt's text: ids and counts only
             r.span = span
             span.set_attributes(
@@ -467,6 +470,7 @@ class Router:
                 text.append(item["text"])
                 logprobs += item.get("logprobs", [])
                 finish_reason = item["finish_reason"]
+                r.cached_tokens = item.get("cached_tokens", r.cached_tokens)
         except UpstreamError as exc:
             self.core.metrics.requests.labels(endpoint, "503").inc()
             if r.span is not None:
@@ -522,6 +526,7 @@ class Router:
                 last_token_s = now
                 num_tokens += len(item["token_ids"])
                 finish_reason = item["finish_reason"]
+                r.cached_tokens = item.get("cached_tokens", r.cached_tokens)
                 choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
                 lps = item.get("logprobs")
                 if r.kind == "completion":
@@ -565,9 +570,14 @@ class Router:
         if r.span is not None:
             r.span.end()
 
-    def _usage(self, r: _Request, num_tokens: int) -> dict[str, int]:
+    def _usage(self, r: _Request, num_tokens: int) -> dict[str, Any]:
         n = len(r.prompt_ids)
-        return {"prompt_tokens": n, "completion_tokens": num_tokens, "total_tokens": n + num_tokens}
+        return {
+            "prompt_tokens": n,
+            "completion_tokens": num_tokens,
+            "total_tokens": n + num_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+        }
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
