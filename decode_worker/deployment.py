@@ -132,7 +132,9 @@ class DecodeServer(WorkerReplica):
             return {"type": "no_channel", "worker_id": self.worker_id}
         if request_id in channel.tasks:
             raise ValueError(f"request {request_id} is running on this channel already")
-        accepted = await self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s)
+        accepted = await self._accept(
+            request_id, prompt_token_ids, kv_expected, kv_wait_s, params.cache_salt
+        )
         channel.tasks[request_id] = asyncio.create_task(
             self._run(
                 channel,
@@ -198,7 +200,9 @@ class DecodeServer(WorkerReplica):
         call (a Serve stream per request, as benchmarks/router_overhead.py measures).
         `kv_expected`, `kv_wait_s`, `trace`: as `submit`'s.
         """
-        accepted = await self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s)
+        accepted = await self._accept(
+            request_id, prompt_token_ids, kv_expected, kv_wait_s, params.cache_salt
+        )
         try:
             yield accepted
             async for item in self._outputs(
@@ -214,10 +218,12 @@ class DecodeServer(WorkerReplica):
         prompt_token_ids: list[int],
         kv_expected: bool,
         kv_wait_s: float | None,
+        cache_salt: str | None = None,
     ) -> dict[str, Any]:
         """Take a request: with `kv_expected` (disaggregated mode) the receiver expects
         its KV from now on, for `kv_wait_s` (the router derives it from its estimate of the
-        prefill; at most `kv_wait_timeout_s`, which is also the wait without it).
+        prefill; at most `kv_wait_timeout_s`, which is also the wait without it), hashed
+        in the request's `cache_salt` namespace.
 
         This replica takes the KV even when it is not the one placement chose (the
         `target_replica` the request router reads): the router pushes to the address
@@ -226,7 +232,7 @@ class DecodeServer(WorkerReplica):
         kv_expected = kv_expected and self.config.mode == "disagg"
         if kv_expected:
             try:
-                await self.worker.expect_kv_all(request_id, prompt_token_ids, kv_wait_s)
+                await self.worker.expect_kv_all(request_id, prompt_token_ids, kv_wait_s, cache_salt)
             except TransferError as exc:  # e.g. the id is expected here already
                 why = "%s: cannot take KV here (%r); prefilling locally"
                 self._log.log("not_target", why, request_id, exc)

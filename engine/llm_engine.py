@@ -580,7 +580,7 @@ class LLMEngine:
             prompt_token_ids=self._prompt_token_ids(prompt),
             params=params,
             eos_token_ids=self.eos_token_ids,
-            hash_namespace=self._namespace,
+            hash_namespace=self.namespace_for(params.cache_salt),
             arrival_s=time.monotonic() if arrival_s is None else arrival_s,
         )
 
@@ -615,6 +615,13 @@ class LLMEngine:
     def hash_namespace(self) -> bytes:
         """What this engine's block hashes are salted with (model id, cache salt)."""
         return self._namespace
+
+    def namespace_for(self, cache_salt: str | None) -> bytes:
+        """The namespace a request's block hashes are salted with: its own `cache_salt`
+        when it has one (a tenant's), else the engine's (`hash_namespace`)."""
+        if cache_salt is None:
+            return self._namespace
+        return hash_namespace(self.model_id, cache_salt)
 
     @property
     def has_unfinished(self) -> bool:

@@ -9,6 +9,7 @@ from pdserve.engine.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_CACHE_SALT_LEN = 256
 # Below this a temperature samples greedily (vLLM's _SAMPLING_EPS): dividing float32
 # logits by a smaller one overflows to inf/NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -33,6 +34,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Not a sampling setting: the tenant namespace the request's KV blocks are hashed in
+    # (engine/hashing.py). It rides here because these params reach every engine that
+    # hashes the request's blocks (router, prefill and decode workers, resumes).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers; store tuples (frozen, hashable).
@@ -65,6 +70,10 @@ class SamplingParams:
                 f"stop strings must be 1 to {MAX_STOP_STRING_LEN} characters",
             ),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+            (
+                self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN,
+                f"cache_salt must be 1 to {MAX_CACHE_SALT_LEN} characters",
+            ),
         ]
         return [message for ok, message in checks if not ok]
 

@@ -42,6 +42,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.core import Overloaded, RouterCore, UpstreamError
 from pdserve.router.metrics import CONTENT_TYPE
+from pdserve.router.prefix_cache import with_default_salt
 from pdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -160,6 +161,7 @@ class _Request:
         self.span: Span | None = None  # the request's span when tracing is on
         self.key_defaults = _NO_DEFAULTS  # its API key's defaults (priority, cache_salt)
         self.cache: CachePlan | None = None  # the result cache's plan (when it is on)
+        self.cached_tokens = 0  # prompt tokens a prefix cache served (router/prefix_cache.py)
 
 
 def _hit(r: _Request) -> bool:
@@ -336,10 +338,10 @@ class Router:
             self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
         r.key_defaults = key_defaults
-        if self.result_cache is not None:
-            salt = getattr(r.req, "cache_salt", None) or key_defaults.cache_salt
+        r.params = with_default_salt(r.params, key_defaults.cache_salt)
+        if self.result_cache is not None:  # the salt is in the params, hence in the key
             r.cache = self.result_cache.plan(
-                r.prompt_ids, r.params, salt, request.headers, r.req.result_cache
+                r.prompt_ids, r.params, r.params.cache_salt, request.headers, r.req.result_cache
             )
         if span is not None:  # never the prompt's text: ids and counts only
             r.span = span
@@ -480,8 +482,11 @@ class Router:
         if self.result_cache is None or r.cache is None:
             return None
         items = await self.result_cache.replay(r.cache)
-        if items is not None and r.span is not None:
-            r.span.set_attribute("pdserve.result_cache", "hit")
+        if items is not None:
+            # no worker computed anything of the prompt: every prompt token was cached
+            r.cached_tokens = len(r.prompt_ids)
+            if r.span is not None:
+                r.span.set_attribute("pdserve.result_cache", "hit")
         return items
 
     async def _complete(self, r: _Request, items: AsyncIterator[dict[str, Any]]) -> Response:
@@ -496,6 +501,7 @@ class Router:
                 text.append(item["text"])
                 logprobs += item.get("logprobs", [])
                 finish_reason = item["finish_reason"]
+                r.cached_tokens = item.get("cached_tokens", r.cached_tokens)
         except UpstreamError as exc:
             self.core.metrics.requests.labels(endpoint, "503").inc()
             if r.span is not None:
@@ -551,6 +557,7 @@ class Router:
                 last_token_s = now
                 num_tokens += len(item["token_ids"])
                 finish_reason = item["finish_reason"]
+                r.cached_tokens = item.get("cached_tokens", r.cached_tokens)
                 choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
                 lps = item.get("logprobs")
                 if r.kind == "completion":
@@ -595,9 +602,14 @@ class Router:
         if r.span is not None:
             r.span.end()
 
-    def _usage(self, r: _Request, num_tokens: int) -> dict[str, int]:
+    def _usage(self, r: _Request, num_tokens: int) -> dict[str, Any]:
         n = len(r.prompt_ids)
-        return {"prompt_tokens": n, "completion_tokens": num_tokens, "total_tokens": n + num_tokens}
+        return {
+            "prompt_tokens": n,
+            "completion_tokens": num_tokens,
+            "total_tokens": n + num_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+        }
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

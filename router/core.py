@@ -49,6 +49,7 @@ from pdserve.router.channels import ChannelStream, DecodeChannels
 from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Choice, Placer, decode_running, queued_tokens
+from pdserve.router.prefix_cache import CachedTokens
 
 logger = logging.getLogger(__name__)
 
@@ -203,15 +204,22 @@ class RouterCore:
         return [await ask(w) for w in workers]
 
     async def place(
-        self, prompt_ids: list[int], exclude: set[str] | frozenset[str] = frozenset()
+        self,
+        prompt_ids: list[int],
+        exclude: set[str] | frozenset[str] = frozenset(),
+        cache_salt: str | None = None,
     ) -> Placed:
         """The prefill and decode workers for a prompt (None where there is none).
 
         `exclude`: workers not to choose (one that just failed this request). Without
         the index (Redis down or slow) nobody is chosen and `indexed` is False: Serve
         then picks the replicas, and the split still happens (see `_attempt`).
+        `cache_salt`: the request's; its prompt's blocks are looked up in that namespace.
         """
-        hashes = hash_block_chain(prompt_ids, self.config.block_size, self.namespace)
+        namespace = self.namespace
+        if cache_salt is not None:
+            namespace = hash_namespace(self.config.model_id, cache_salt)
+        hashes = hash_block_chain(prompt_ids, self.config.block_size, namespace)
         try:
             matches = await asyncio.wait_for(self.index.match(hashes), _INDEX_TIMEOUT_S)
         except (RedisError, OSError, TimeoutError) as exc:
@@ -259,14 +267,16 @@ class RouterCore:
             )
         return Placed(prefill, decode, True, remote, local, running)
 
-    async def route(self, prompt_ids: list[int], exclude: set[str], resume: bool) -> Route:
+    async def route(
+        self, prompt_ids: list[int], exclude: set[str], resume: bool, cache_salt: str | None = None
+    ) -> Route:
         """Place an attempt, decide where its prompt is prefilled, reserve that queue.
 
         Raises:
             Overloaded: every option's queue is past `max_prefill_queue_s` (never for a
                 resumed stream: its client already has tokens).
         """
-        placed = await self.place(prompt_ids, exclude)
+        placed = await self.place(prompt_ids, exclude, cache_salt)
         decision = self._decide(placed, resume)
         if decision is None:  # colocated: D prefills, nothing to decide
             return Route(placed, None, None)
@@ -288,7 +298,12 @@ class RouterCore:
         return route
 
     async def _traced_route(
-        self, span: Span, prompt_ids: list[int], exclude: set[str], attempt: int
+        self,
+        span: Span,
+        prompt_ids: list[int],
+        exclude: set[str],
+        attempt: int,
+        cache_salt: str | None = None,
     ) -> Route:
         """`route`, as a placement span (child of the request's `span`)."""
         assert self.tracer is not None
@@ -296,7 +311,7 @@ class RouterCore:
             self.tracer, "pdserve.placement", span, attributes={"pdserve.attempt": attempt}
         )
         try:
-            route = await self.route(prompt_ids, exclude, resume=attempt > 0)
+            route = await self.route(prompt_ids, exclude, attempt > 0, cache_salt)
         except BaseException as exc:
             tracing.fail(s, exc)
             s.end()
@@ -387,6 +402,8 @@ class RouterCore:
         """`generate`; with `announce`, first a `{"type": "placed"}` item once admitted."""
         generated: list[int] = []
         failed: set[str] = set()
+        salt = params.cache_salt
+        cached = CachedTokens(len(prompt_ids))  # usage: prompt tokens a prefix cache served
         for attempt in range(self.config.max_resumes + 1):
             if generated:
                 remaining = params.max_tokens - len(generated)
@@ -397,9 +414,11 @@ class RouterCore:
                 attempt_params = params
             attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
             if span is None:
-                route = await self.route(prompt_ids + generated, failed, resume=attempt > 0)
+                route = await self.route(prompt_ids + generated, failed, attempt > 0, salt)
             else:
-                route = await self._traced_route(span, prompt_ids + generated, failed, attempt)
+                route = await self._traced_route(
+                    span, prompt_ids + generated, failed, attempt, salt
+                )
             try:
                 if announce and attempt == 0:
                     yield {"type": "placed"}
@@ -412,8 +431,10 @@ class RouterCore:
                     route=route,
                     span=span,
                     attempt=attempt,
+                    cached=cached,
                 ):
                     generated += item["token_ids"]
+                    item["cached_tokens"] = cached.value
                     yield item
                 return
             except _DecodeFailed as exc:
@@ -440,11 +461,14 @@ class RouterCore:
         route: Route,
         span: Span | None = None,
         attempt: int = 0,
+        cached: CachedTokens | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """One dual dispatch of a routed attempt; raises _DecodeFailed if D dies.
 
         With the request's `span` (tracing on), the attempt is a `pdserve.dispatch` span
         whose W3C carrier goes with the calls to D and P (their spans' parent).
+        `cached`: told the first item and the prefill's report, when this attempt
+        produces the request's first token (usage's cached tokens).
         """
         p, d = route.placed.prefill, route.placed.decode
         # Why D prefills this attempt itself by the router's own decision (None: it asks
@@ -485,6 +509,7 @@ class RouterCore:
             trace=trace,
         )
         prefill_task: asyncio.Task[None] | None = None
+        report: dict[str, Any] = {}  # the prefill worker's, when its call returns
         finished = False
         counted = False  # this attempt's local prefill (if any) is counted
         serving = d_target
@@ -519,6 +544,7 @@ class RouterCore:
                         serving,
                         route,
                         trace,
+                        report,
                     )
                 )
             else:
@@ -536,6 +562,8 @@ class RouterCore:
                     if reason is not None:
                         self._count_local_prefill(request_id, serving, reason)
                 if first:
+                    if cached is not None:
+                        cached.first_item(item, report)
                     self._record_first(item, arrival_s)
                     if span is not None:
                         ttft = time.monotonic() - arrival_s
@@ -671,12 +699,14 @@ class RouterCore:
         decode_worker: str | None,
         route: Route,
         trace: dict[str, str] | None = None,
+        report: dict[str, Any] | None = None,
     ) -> None:
         """Run the prefill half of dual dispatch; on failure free D to prefill locally.
 
         `p`: the chosen prefill worker, or None (no index: Serve picks one). The KV goes
         to `decode_address`, the receiver of `decode_worker`, the replica serving D.
-        The route's reservation of P's queue ends with the call.
+        The route's reservation of P's queue ends with the call. `report`: filled with
+        the worker's result (its prefix-cache hit: usage's cached tokens).
         """
         p_target = p.worker_id if p is not None else None
         # the carrier only when tracing: the workers' signatures stay optional
@@ -707,6 +737,8 @@ class RouterCore:
             return
         finally:
             route.release("prefill")
+        if report is not None:
+            report.update(result)
         served = result.get("worker_id") or p_target
         self._count_placement("prefill", p_target, served)
         push_s = result["pack_s"] + result["transfer_s"]

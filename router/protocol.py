@@ -11,7 +11,8 @@ Supported: one prompt per request (a string, token ids, or a list holding exactl
 of either); chat messages with string content or text parts; temperature, top_p, seed,
 stop, max_tokens / max_completion_tokens, logprobs, streaming with
 ``stream_options.include_usage``. Extensions (as in vLLM): top_k, stop_token_ids,
-ignore_eos, return_token_ids, add_generation_prompt.
+ignore_eos, return_token_ids, add_generation_prompt, cache_salt (the prompt's prefix-cache
+namespace: router/prefix_cache.py).
 
 A request never silently loses meaning: every field that would change what the output
 is or means, and that the router does not implement, gets a 400 naming it (``param``),
@@ -58,6 +59,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError, from_json
 
 from pdserve.engine.sampling_params import (
+    MAX_CACHE_SALT_LEN,
     MAX_LOGPROBS,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
@@ -246,6 +248,14 @@ class _SamplingRequest(BaseModel):
         True,
         description="Extension: false: never answered from, nor stored in, the result cache "
         "(when the server has one on), like 'Cache-Control: no-store'.",
+    )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_LEN,
+        description="Extension (as in vLLM): the tenant namespace of the prompt's KV blocks;"
+        " requests with different salts never share a prefix-cache block. Default: the API"
+        " key's.",
     )
     presence_penalty: float | None = Field(0.0, ge=0, le=0, description="Only 0 is supported.")
     frequency_penalty: float | None = Field(0.0, ge=0, le=0, description="Only 0 is supported.")
@@ -609,6 +619,7 @@ def to_sampling_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=_logprobs(req),
+            cache_salt=req.cache_salt,
         )
     except ValueError as exc:  # InvalidRequestError is a ValueError
         field = str(exc).split(" ", 1)[0]

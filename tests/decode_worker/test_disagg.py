@@ -21,6 +21,7 @@ import pytest
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.hashing import hash_block_chain
 from pdserve.kv_transfer.base import ReceiverConfig
 from pdserve.kv_transfer.errors import KVMismatchError
 from pdserve.kv_transfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
@@ -242,3 +243,49 @@ def test_a_prefill_worker_warms_up_with_a_measured_rate_and_holds_nothing(model_
     rate, load = asyncio.run(run())
     assert rate is not None and rate > 0
     assert (load["running"], load["waiting"]) == (0, 0)
+
+
+def test_salted_kv_crosses_only_to_a_request_of_the_same_salt(model_dir: Path) -> None:
+    """The handoff matches blocks by the request's salted hashes on both sides: a push
+    of the same prompt under another salt is refused (KVMismatchError, then a local
+    prefill), the same salt is taken, and the decode worker's cache then holds the
+    prompt's blocks under that salt's hashes only."""
+    prompt = prompts()[2]  # 67 tokens: 8 full blocks
+    salted = dataclasses.replace(GREEDY, cache_salt="tenant-a")
+
+    async def run() -> None:
+        hub = LoopbackHub()
+        p_async, d_async = AsyncEngine(new_engine(model_dir)), AsyncEngine(new_engine(model_dir))
+        layout = layout_of(d_async.engine.runner.kv_cache)
+        receiver = LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout))
+        decode = DecodeWorker(d_async, receiver, kv_wait_timeout_s=5.0)
+        prefill = PrefillWorker(p_async, LoopbackSender(hub), TOKEN)
+        address = await decode.start()
+        try:
+            decode.expect_kv("r0", prompt, cache_salt="tenant-a")
+            other = dataclasses.replace(GREEDY, cache_salt="tenant-b")
+            with pytest.raises(KVMismatchError):
+                await prefill.prefill("r0", prompt, other, address)
+            out = await collect(decode.generate("r0", prompt, salted, kv_expected=True))
+            assert out.token_ids == want and decode.num_local_fallbacks == 1
+
+            decode.expect_kv("r1", prompt, cache_salt="tenant-a")
+            stream = collect(decode.generate("r1", prompt, salted, kv_expected=True))
+            pushed = prefill.prefill("r1", prompt, salted, address)
+            out, result = await asyncio.gather(stream, pushed)
+            assert out.token_ids == want and decode.num_local_fallbacks == 1  # KV used
+            assert result.num_cached_tokens == 0  # tenant-b's blocks are not tenant-a's
+            eng = d_async.engine
+            cached = set(eng.block_pool.cached_hashes())
+            for salt, held in (("tenant-a", True), ("tenant-b", False), (None, False)):
+                chain = hash_block_chain(prompt, 8, eng.namespace_for(salt))
+                assert (set(chain) <= cached) is held and bool(set(chain) & cached) is held
+            for e in (p_async.engine, eng):
+                e.block_pool.check_no_leaks()
+        finally:
+            await decode.close()
+            await p_async.close()
+            await d_async.close()
+
+    (want,) = [o.token_ids for o in colocated_outputs(model_dir, lambda i: GREEDY)][2:3]
+    asyncio.run(asyncio.wait_for(run(), 120))

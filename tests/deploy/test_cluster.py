@@ -26,6 +26,9 @@ import openai
 import pytest
 
 from pdserve.benchmarks.bench_report import sample, scrape_metrics
+from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.deploy.redis_server import EmbeddedRedis
+from pdserve.engine.hashing import hash_block_chain, hash_namespace
 
 MAX_TOKENS = 8
 SPEC = "ngram:k=4,adaptive=off"
@@ -55,6 +58,8 @@ CLUSTERS = {
     ),
 }
 API_KEY = "sk-test-0123456789"
+SALTED_KEY, KEY_SALT = "sk-tenant-0123456789", "key-tenant"  # a key with a default salt
+REDIS_URLS: dict[str, str] = {}  # each cluster's Redis (the prefix index), by cluster name
 COMMON = (
     *("--prefill-replicas", "2", "--decode-replicas", "2", "--dtype", "float32"),
     *("--block-size", str(BLOCK_SIZE), "--replica-cpus", "0", "--threads", "1"),
@@ -90,11 +95,16 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, str]]:
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text(f"{API_KEY}\n")
+    keys.write_text(f"{API_KEY}\n{SALTED_KEY} cache_salt={KEY_SALT}\n")
     draft = make_draft(model_dir, 1)
     flags = [flag.format(keys=keys, draft=draft) for flag in CLUSTERS[request.param]]
-    with pdserve_up(model_dir, *COMMON, *flags) as url:
-        yield request.param, url
+    redis = EmbeddedRedis().start()  # ours, so that tests can read the prefix index
+    try:
+        with pdserve_up(model_dir, *COMMON, *flags, "--redis-url", redis.url) as url:
+            REDIS_URLS[request.param] = redis.url
+            yield request.param, url
+    finally:
+        redis.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -717,3 +727,118 @@ async def _n_ok(url: str, model: str, n: int) -> int:
         return sum(o.usage.completion_tokens == 2 for o in outs)
     finally:
         await ac.close()
+
+
+def matched_blocks(name: str, model: str, prompt: list[int], salt: str | None) -> list[int]:
+    """Per live worker, the leading blocks of `prompt` hashed under `salt` that the
+    cluster's prefix index says it holds."""
+    import redis.asyncio as aioredis
+
+    chain = hash_block_chain(prompt, BLOCK_SIZE, hash_namespace(model, salt))
+
+    async def match() -> list[int]:
+        client = aioredis.Redis.from_url(REDIS_URLS[name])
+        try:
+            matches = await PrefixIndex(client, model, LEASE_S).match(chain)
+            return [m.matched_blocks for m in matches.values()]
+        finally:
+            await client.aclose()
+
+    return asyncio.run(match())
+
+
+def held_by_some_worker(name: str, model: str, prompt: list[int], salt: str | None) -> int:
+    """The most leading blocks of `prompt` under `salt` any worker holds, once it is every
+    full block (a bounded wait: a worker publishes its events as a request ends, within
+    `heartbeat_s`), else what the index says at the deadline."""
+    want = len(prompt) // BLOCK_SIZE
+    deadline = time.monotonic() + 5.0
+    held = max(matched_blocks(name, model, prompt, salt))
+    while held < want and time.monotonic() < deadline:
+        held = max(matched_blocks(name, model, prompt, salt))
+    return held
+
+
+def cached_tokens(out: Any) -> int:
+    """`usage.prompt_tokens_details.cached_tokens` of a response or a stream's last chunk."""
+    assert out.usage is not None and out.usage.prompt_tokens_details is not None, out
+    return int(out.usage.prompt_tokens_details.cached_tokens)
+
+
+def test_cached_tokens_count_prefix_hits_and_salts_keep_tenants_apart(
+    cluster: tuple[str, str],
+) -> None:
+    """`cached_tokens` is the prompt's full blocks found in the prefix cache of the
+    engine that computed its KV (the prefill worker's when the split happened), never
+    the block holding the prompt's last token (computed again to sample). The same
+    prompt under two salts registers disjoint block hashes in the index, and neither
+    tenant hits the other's blocks; an API key's default salt is a namespace too."""
+    name, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    rng = random.Random(12)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(5, 512) for _ in range(n)]
+
+    def full_hit(prompt: list[int]) -> int:  # what an engine may reuse of a cached prompt
+        return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+    def salted(salt: str | None) -> dict[str, Any]:
+        # never a result-cache hit (one cluster has it on): the prefix caches are on test
+        body: dict[str, Any] = {"result_cache": False}
+        if salt is not None:
+            body["cache_salt"] = salt
+        return {"extra_body": body}
+
+    def streamed_cached(prompt: list[int], salt: str | None) -> int:
+        usage = {"stream_options": {"include_usage": True}}
+        chunks = list(greedy(c, model, prompt, stream=True, **usage, **salted(salt)))
+        return cached_tokens(chunks[-1])
+
+    # a known shared prefix: 6 full blocks, then different tails
+    shared = ids(6 * BLOCK_SIZE)
+    first, second = shared + ids(5), shared + ids(3)
+    assert cached_tokens(greedy(c, model, first, **salted("tenant-a"))) == 0
+    assert cached_tokens(greedy(c, model, second, **salted("tenant-a"))) == 6 * BLOCK_SIZE
+    # a prompt ending on a block boundary, under two salts: streamed usage too
+    whole = ids(4 * BLOCK_SIZE)
+    assert streamed_cached(whole, "tenant-a") == 0
+    assert streamed_cached(whole, "tenant-a") == full_hit(whole) == 3 * BLOCK_SIZE
+    assert held_by_some_worker(name, model, whole, "tenant-a") == 4
+    assert max(matched_blocks(name, model, whole, "tenant-b")) == 0, "tenant-a's blocks leak"
+    assert cached_tokens(greedy(c, model, whole, **salted("tenant-b"))) == 0
+    assert cached_tokens(greedy(c, model, whole, **salted("tenant-b"))) == full_hit(whole)
+    assert held_by_some_worker(name, model, whole, "tenant-b") == 4
+    assert max(matched_blocks(name, model, whole, None)) == 0  # nothing under no salt
+    chains = [hash_block_chain(whole, BLOCK_SIZE, hash_namespace(model, s)) for s in "ab"]
+    assert not set(chains[0]) & set(chains[1])
+    # chat, streamed and not: its own salt, so no earlier test's template prefix counts
+    chat: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Which tenant am I?"}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True, "cache_salt": f"chat-{name}", "result_cache": False},
+    }
+    out = c.chat.completions.create(**chat)
+    assert cached_tokens(out) == 0
+    stream = c.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True})
+    *_, last = stream
+    assert out.usage is not None
+    n = out.usage.prompt_tokens
+    assert last.usage is not None and last.usage.prompt_tokens == n
+    assert cached_tokens(last) == (n - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+    if name == "colocated":  # API keys on: a key's default salt, a request's own wins
+        keyed = ids(3 * BLOCK_SIZE + 2)
+        tenant = client(url, api_key=SALTED_KEY)
+        assert cached_tokens(greedy(tenant, model, keyed)) == 0
+        assert cached_tokens(greedy(c, model, keyed)) == 0  # no salt: another namespace
+        assert cached_tokens(greedy(c, model, keyed, **salted(KEY_SALT))) == 3 * BLOCK_SIZE
+        assert held_by_some_worker(name, model, keyed, KEY_SALT) == 3
+        other = ids(2 * BLOCK_SIZE + 1)
+        assert cached_tokens(greedy(tenant, model, other, **salted("tenant-a"))) == 0
+        assert cached_tokens(greedy(c, model, other, **salted("tenant-a"))) == 2 * BLOCK_SIZE
+    if name.startswith("disagg"):  # the prefill workers' hits, the split happened
+        assert metric(url, "pdserve_kv_transfer_blocks_total") > 0
+    assert_workers_idle(url)

@@ -1,4 +1,5 @@
-"""Tests for the cluster-wide prefix hash: golden vectors, chaining and cross-process use."""
+"""Tests for the cluster-wide prefix hash: golden vectors, chaining, cross-process use,
+and per-request salts (`SamplingParams.cache_salt`) in the engine."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import os
 import struct
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
+from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.hashing import (
     ROOT_HASH,
     hash_block,
@@ -130,3 +134,75 @@ def test_same_chain_across_processes(hash_seed: str) -> None:
     )
     in_process = [h.hex() for h in hash_block_chain(range(32), 16, DEMO)]
     assert result.stdout.strip().split(",") == in_process == GOLDEN_DEMO_CHAIN
+
+
+def test_salted_namespace_matches_spelled_out_scheme() -> None:
+    salt = "tenant-a"
+    payload = struct.pack("<I", 4) + b"demo" + struct.pack("<I", len(salt)) + salt.encode()
+    assert hash_namespace("demo", salt) == hashlib.sha256(payload).digest()
+
+
+# -- per-request salts in the engine (cache_salt rides in SamplingParams) ------------------
+
+SALT_BLOCK = 4
+
+
+def _salt_engine(make_checkpoint: Any) -> LLMEngine:
+    model_dir = make_checkpoint(num_heads=4, num_kv_heads=2)
+    config = EngineConfig(dtype="float32", block_size=SALT_BLOCK, num_kv_blocks=64)
+    return LLMEngine(model_dir, config)
+
+
+def _run(eng: LLMEngine, rid: str, prompt: list[int], salt: str | None) -> RequestOutput:
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, cache_salt=salt)
+    eng.add_request(rid, prompt, params)
+    last = None
+    while eng.has_unfinished:
+        for out in eng.step():
+            last = out
+    assert last is not None and last.finished
+    return last
+
+
+def test_a_request_salt_gives_its_blocks_their_own_namespace(make_checkpoint: Any) -> None:
+    """The same prompt under two salts registers disjoint block hashes and never hits
+    the other's blocks; the same salt again hits every block the engine may reuse (all
+    but the one holding the prompt's last token, which is computed again to sample)."""
+    eng = _salt_engine(make_checkpoint)
+    prompt = list(range(10, 10 + 6 * SALT_BLOCK))  # 6 full blocks, ends on a boundary
+    chain = {
+        salt: hash_block_chain(prompt, SALT_BLOCK, hash_namespace(eng.model_id, salt))
+        for salt in (None, "tenant-a", "tenant-b")
+    }
+    assert eng.namespace_for(None) == eng.hash_namespace == hash_namespace(eng.model_id)
+    assert _run(eng, "a1", prompt, "tenant-a").num_cached_tokens == 0
+    cached = set(eng.block_pool.cached_hashes())
+    assert set(chain["tenant-a"]) <= cached
+    assert not (set(chain["tenant-b"]) | set(chain[None])) & cached
+    assert _run(eng, "b1", prompt, "tenant-b").num_cached_tokens == 0
+    assert set(chain["tenant-b"]) <= set(eng.block_pool.cached_hashes())
+    assert not set(chain["tenant-a"]) & set(chain["tenant-b"])
+    assert _run(eng, "n1", prompt, None).num_cached_tokens == 0  # unsalted: its own too
+    full_hit = (len(prompt) - 1) // SALT_BLOCK * SALT_BLOCK
+    for rid, salt in (("a2", "tenant-a"), ("b2", "tenant-b"), ("n2", None)):
+        assert _run(eng, rid, prompt, salt).num_cached_tokens == full_hit == 20
+    # a shared prefix hits its full blocks only, under the same salt only
+    longer = [*prompt[: 3 * SALT_BLOCK + 2], 7, 8, 9]
+    assert _run(eng, "a3", longer, "tenant-a").num_cached_tokens == 3 * SALT_BLOCK
+    assert _run(eng, "c1", longer, "tenant-c").num_cached_tokens == 0
+    eng.block_pool.check_no_leaks()
+
+
+def test_unsalted_hashes_are_unchanged(make_checkpoint: Any) -> None:
+    """No salt: a sequence hashes exactly as before salts existed (the index format)."""
+    eng = _salt_engine(make_checkpoint)
+    prompt = list(range(40, 40 + 3 * SALT_BLOCK + 1))
+    _run(eng, "r", prompt, None)
+    want = hash_block_chain(prompt, SALT_BLOCK, hash_namespace(eng.model_id))
+    assert set(want) <= set(eng.block_pool.cached_hashes())
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 257])
+def test_a_bad_salt_is_refused(salt: str) -> None:
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        SamplingParams(cache_salt=salt)

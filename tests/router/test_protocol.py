@@ -165,6 +165,7 @@ USED = {
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "stream",
     "stream_options", "ignore_eos", "return_token_ids", "add_generation_prompt",
+    "cache_salt",
 }  # fmt: skip
 USED |= {"result_cache"}  # the result cache's per-request opt-out (router/result_cache.py)
 # Supported only at their no-op value; any other is a 400 naming the field.
