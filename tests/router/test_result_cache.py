@@ -122,6 +122,7 @@ def test_a_repeat_is_answered_from_the_cache_and_anything_changed_misses(
             "logprobs": dataclasses.replace(GREEDY, logprobs=2),
             "skip_special_tokens": dataclasses.replace(GREEDY, skip_special_tokens=False),
             "greedy seed": dataclasses.replace(GREEDY, seed=1),
+            "cache_salt": dataclasses.replace(GREEDY, cache_salt="tenant-b"),
         }
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         assert names <= set(changed) | {"seed", "temperature"}, "a field the test misses"
