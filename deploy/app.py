@@ -173,7 +173,11 @@ def build_model_app(config: ClusterConfig) -> Application:
 def build_router_app(config: ClusterConfig) -> Application:
     """The router of several models, alone: it finds each model's pools by name."""
     cfg = config.resolved()
-    router = _router(cfg, _runtime_env(), graceful_shutdown_timeout_s=ROUTER_DRAIN_S)
+    # Replaced (a model added or removed): new replicas start first and the old ones
+    # serve until those are ready, then drain their streams.
+    router = _router(
+        cfg, _runtime_env(), graceful_shutdown_timeout_s=ROUTER_DRAIN_S, max_surge_percent=100
+    )
     return router.bind(cfg.model_dump(mode="json"), None, None)
 
 

@@ -243,6 +243,15 @@ def _deploy(args: argparse.Namespace) -> int:
     if args.config is not None:
         config = yaml.safe_load(Path(args.config).read_text())
         declarative.validate(config)  # before joining: a bad config fails at once
+    # Ray turns token authentication on for a local cluster it finds itself (address
+    # "auto"), never for an address it is given: do as it does for the former, so that
+    # the cluster `pdserve up` started here (token in Ray's default place) answers.
+    # RAY_AUTH_MODE set by the operator wins.
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     # no worker logs here: stdout may be the printed config
     ray.init(
         address=args.address,
