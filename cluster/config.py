@@ -439,6 +439,8 @@ class ClusterConfig(BaseModel):
 
     def _check_models(self) -> None:
         """Each model's own config is valid, and ids (and so Serve app names) are unique."""
+        if self.served_model_name is not None:
+            raise ConfigError("served_model_name", "with `models`, each entry names its own model")
         seen: dict[str, str] = {}
         for cfg in self.model_configs():  # each runs every single-model check
             slug = app_slug(cfg.model_id)

@@ -41,6 +41,7 @@ def test_each_model_gets_the_cluster_fields_and_its_own() -> None:
         ({}, "exactly one of `model` and `models`"),
         ({"model": "/m/a", "models": [{"model": "/m/b"}]}, "exactly one of"),
         ({"models": [{"model": "/x/a"}, {"model": "/y/a"}]}, "clash"),
+        ({"models": [{"model": "/x/a"}], "served_model_name": "x"}, "each entry names"),
         ({"models": [{"model": "/x/a", "served_model_name": "a.b"}, {"model": "/y/a-b"}]}, "clash"),
         # a model's own field is checked as the cluster's would be, naming the model
         ({"models": [{"model": "/m/a", "block_size": 12}]}, "model '/m/a'"),
