@@ -72,8 +72,14 @@ def parse_scrape(text: str) -> Scrape:
 
 
 def sample(scrape: Scrape, name: str, **labels: str) -> float:
-    """One sample of a scrape, by its name and exact labels; 0 when absent."""
-    return scrape.get((name, tuple(sorted(labels.items()))), 0.0)
+    """A sample of a scrape by its name and labels, summed over the labels not given
+    (e.g. `model`, on a cluster serving several); 0 when absent."""
+    want = labels.items()
+    return sum(
+        value
+        for (sample_name, have), value in scrape.items()
+        if sample_name == name and want <= dict(have).items()
+    )
 
 
 def scrape_metrics(base_url: str, timeout_s: float = 30.0) -> Scrape:

@@ -352,7 +352,7 @@ def main() -> int:
     if config.mode == "disagg":
         what = f"{config.prefill_replicas} prefill + {what}"
     print(
-        f"\nmode {config.mode} ({what} replicas), model {Path(config.model).name}, "
+        f"\nmode {config.mode} ({what} replicas), model {config.model_id}, "
         f"{PROMPT_LEN}-token prompt, max_tokens 1, client {report.client}; "
         f"latency over {args.requests} sequential requests after {args.warmup} warm-up"
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -181,12 +182,67 @@ class APIKeyDefaults(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
+class ModelSpec(BaseModel):
+    """One model of a cluster that serves several (`ClusterConfig.models`).
+
+    Each field set here replaces the cluster-wide one for this model's pools; a field left
+    out (None) keeps the cluster's value. Everything else (Redis, transport, leases, the
+    router's limits, API keys) is the cluster's, shared by every model.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="HF model folder, readable on every node")
+    served_model_name: str | None = None
+    mode: Mode | None = None
+    prefill_replicas: int | None = Field(default=None, ge=0)
+    decode_replicas: int | None = Field(default=None, ge=1)
+    prefill_tp: int | None = Field(default=None, ge=1)
+    decode_tp: int | None = Field(default=None, ge=1)
+    prefill_autoscaling: PoolAutoscaling | None = None
+    decode_autoscaling: PoolAutoscaling | None = None
+    prefill_cpus: str | None = None
+    decode_cpus: str | None = None
+    prefill_resources: dict[str, float] | None = None
+    decode_resources: dict[str, float] | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    load_format: LoadFormat | None = None
+    quantization: Quantization | None = None
+    kv_cache_dtype: KVCacheDtype | None = None
+    speculative: str | None = None
+    block_size: int | None = Field(default=None, ge=1, le=1024)
+    max_model_len: int | None = Field(default=None, ge=2)
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+
+
+def app_slug(model_id: str) -> str:
+    """The part of a model's Serve application name (`pdserve-model-<slug>`) its id gives:
+    letters, digits, `_` and `-`, anything else as `-`."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", model_id).strip("-") or "model"
+
+
+MODEL_APP_PREFIX = "pdserve-model-"
+
+
+def model_app_name(model_id: str) -> str:
+    """The Serve application that runs a model's pools when a cluster serves several."""
+    return MODEL_APP_PREFIX + app_slug(model_id)
+
+
 class ClusterConfig(BaseModel):
     """Everything a router, prefill or decode replica needs to know about the cluster."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="HF model folder, readable on every node")
+    model: str | None = Field(
+        default=None, description="HF model folder, readable on every node (or `models`)"
+    )
+    # Several models behind one router (docs/architecture.md, "Several models"): each
+    # entry overrides the per-model fields above and below; `model` is then unset.
+    models: list[ModelSpec] = Field(default_factory=list)
     served_model_name: str | None = Field(
         default=None, description="the model id clients send (default: the folder name)"
     )
@@ -348,6 +404,11 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
+        if (self.model is None) == (not self.models):
+            raise ConfigError("model", "give exactly one of `model` and `models`")
+        if self.models:
+            self._check_models()
+            return self
         for cpus in (self.prefill_cpus, self.decode_cpus):
             if cpus is not None:
                 parse_cpu_set(cpus)
@@ -390,6 +451,44 @@ class ClusterConfig(BaseModel):
             named = [f for f in ClusterConfig.model_fields if re.search(rf"\b{f}\b", why)]
             raise ConfigError(named[0] if named else "engine", why) from None
         return self
+
+    def _check_models(self) -> None:
+        """Each model's own config is valid, and ids (and so Serve app names) are unique."""
+        if self.served_model_name is not None:
+            raise ConfigError("served_model_name", "with `models`, each entry names its own model")
+        seen: dict[str, str] = {}
+        for cfg in self.model_configs():  # each runs every single-model check
+            slug = app_slug(cfg.model_id)
+            if slug in seen:
+                raise ConfigError(
+                    "models",
+                    f"the served model ids {seen[slug]!r} and {cfg.model_id!r} clash (each "
+                    "model needs a distinct served_model_name; ids may differ in more than "
+                    "punctuation)",
+                )
+            seen[slug] = cfg.model_id
+
+    def model_configs(self) -> list[ClusterConfig]:
+        """One plain single-model configuration per served model, the cluster's fields
+        with the model's overrides applied (`[self]` for a single-model configuration):
+        what each model's pools and its part of the router receive."""
+        if not self.models:
+            return [self]
+        base = self.model_dump(exclude={"models", "model"})
+        out = []
+        for spec in self.models:
+            try:
+                out.append(
+                    ClusterConfig.model_validate({**base, **spec.model_dump(exclude_none=True)})
+                )
+            except ValidationError as exc:
+                why = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+                raise ConfigError("models", f"model {spec.model!r}: {why}") from None
+        return out
+
+    def model_ids(self) -> list[str]:
+        """The served model ids, in configuration order."""
+        return [cfg.model_id for cfg in self.model_configs()]
 
     def _check_tensor_parallel(self) -> None:
         """What a pool's TP size needs of the other fields (the model's shape: preflight)."""
@@ -447,6 +546,8 @@ class ClusterConfig(BaseModel):
 
     @property
     def model_id(self) -> str:
+        if self.model is None:
+            raise ValueError("a configuration of several models has no single model_id")
         return self.served_model_name or Path(self.model).name
 
     def served_model_ids(self) -> list[str]:
@@ -479,10 +580,26 @@ class ClusterConfig(BaseModel):
         }
         return {name: float(value) for name, value in bundle.items() if value > 0}
 
+    def _with_models(self, each: Callable[[ClusterConfig], ClusterConfig]) -> ClusterConfig:
+        """A copy whose every model spec gets max_model_len from `each(its config)`; an
+        error names the model."""
+        specs = []
+        for spec, cfg in zip(self.models, self.model_configs(), strict=True):
+            try:
+                max_len = each(cfg).max_model_len
+            except ConfigError as exc:
+                raise ConfigError(exc.field, f"(model {cfg.model_id}) {exc}") from None
+            specs.append(spec.model_copy(update={"max_model_len": max_len}))
+        return self.model_copy(update={"models": specs})
+
     def resolved(self) -> ClusterConfig:
-        """A copy with max_model_len filled in from the checkpoint (all roles must agree)."""
+        """A copy with max_model_len filled in from the checkpoint (all roles must agree);
+        with several models, in each model's entry."""
+        if self.models:
+            return self._with_models(ClusterConfig.resolved)
         if self.max_model_len is not None:
             return self
+        assert self.model is not None
         mc = load_model_config(Path(self.model))
         max_len = mc.max_position_embeddings
         if mc.sliding_window is not None:
@@ -499,9 +616,17 @@ class ClusterConfig(BaseModel):
         pool's KV pool, the TLS files, and with `check_redis` that `redis_url` answers a
         PING (with its password) within `redis_timeout_s`.
 
+        With several models, each model's configuration is checked so (Redis once).
+
         Raises:
             ConfigError: naming the field at fault.
         """
+        if self.models:
+            out = self._with_models(ClusterConfig.preflight)
+            if check_redis:
+                _ping_redis(self.redis_url, redis_timeout_s)
+            return out
+        assert self.model is not None
         try:
             mc = load_model_config(Path(self.model))
             from pdserve.engine.tokenizer import Tokenizer

@@ -68,7 +68,10 @@ class DecodeServer(WorkerReplica):
     role = "decode"
 
     # Ray Serve awaits an async constructor (type checkers want __init__ to be sync).
-    async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]
+    # `peers`: when a model's pools are an application of their own (several models,
+    # deploy/app.py), the decode pool is its root and gets the prefill pool's handle
+    # only so that Serve deploys that pool with it; it is not used.
+    async def __init__(self, config: dict[str, Any], *peers: Any) -> None:  # type: ignore[misc]
         super().__init__(config)
         cfg = self.config
         engine = self.engine.engine

@@ -113,7 +113,17 @@ def _up(args: argparse.Namespace) -> int:
     # Before anything imports ray.serve: the handles this process builds keep the
     # transport Serve chose at that import (gRPC only if the setting is there by then).
     apply_serve_env(os.environ)
-    ingress = args.ingress or ("proxy" if args.address is not None else "direct")
+    several = len(args.model or []) > 1
+    ingress = args.ingress or ("proxy" if args.address is not None or several else "direct")
+    if ingress == "direct" and several:
+        from pdserve.cluster.config import ConfigError
+
+        raise ConfigError(
+            "ingress",
+            "several models are served through Serve's HTTP proxy (--ingress proxy): a "
+            "redeploy replaces the router replicas, and a replaced direct-ingress replica "
+            "could not take its port while the old one still drains its streams",
+        )
     if ingress == "direct":
         # read by Serve at import too: the controller and replicas this process starts
         # inherit them (a joined cluster needs them in its nodes' environment instead)
@@ -126,9 +136,7 @@ def _up(args: argparse.Namespace) -> int:
     from pdserve.engine.demo_model import resolve_model
 
     api_keys, api_key_defaults = _api_keys(args.api_keys_file)
-    config = ClusterConfig(
-        model=str(resolve_model(args.model).resolve()),
-        served_model_name=args.served_model_name,
+    fields: dict[str, Any] = dict(
         mode=args.mode,
         transport=args.transport,
         placement=args.placement,
@@ -184,6 +192,18 @@ def _up(args: argparse.Namespace) -> int:
         decode_autoscaling=_json_arg(args.decode_autoscaling),
         kv_tls=_kv_tls(args),
     )
+    specs = [_model_spec(value, resolve_model) for value in args.model or [None]]
+    if len(specs) == 1:  # one model: its overrides are the cluster's fields
+        fields |= {"served_model_name": args.served_model_name} | specs[0]
+    elif args.served_model_name is not None:
+        raise ConfigError(
+            "served_model_name",
+            "--served-model-name names one model; with several --model, name each: "
+            "--model PATH,served_model_name=NAME",
+        )
+    else:
+        fields["models"] = specs
+    config = ClusterConfig(**fields)
     # Everything a replica would trip over, before anything starts (seconds, not the
     # ready timeout). The embedded Redis is started by run_up, so only an external one
     # is pinged; joining a cluster on other nodes needs one they can all reach.
@@ -202,6 +222,68 @@ def _up(args: argparse.Namespace) -> int:
 
     gc.freeze()
     return code
+
+
+def _model_spec(value: str | None, resolve: Any) -> dict[str, Any]:
+    """`--model PATH[,FIELD=VALUE...]` as a `models` entry: the folder made absolute
+    (None: the demo model), each FIELD one of `ModelSpec`'s, each VALUE JSON or text
+    (no commas: the Serve config takes any value)."""
+    from pdserve.cluster.config import ConfigError, ModelSpec
+
+    path, _, rest = (value or "").partition(",")
+    spec: dict[str, Any] = {"model": str(resolve(path or None).resolve())}
+    for item in filter(None, rest.split(",")):
+        key, eq, text = (part.strip() for part in item.partition("="))
+        if not eq or key not in ModelSpec.model_fields or key == "model":
+            fields = ", ".join(f for f in ModelSpec.model_fields if f != "model")
+            raise ConfigError(
+                "model", f"--model {value}: {item!r} is not FIELD=VALUE, FIELD one of: {fields}"
+            )
+        try:
+            spec[key] = json.loads(text)
+        except json.JSONDecodeError:
+            spec[key] = text
+    return spec
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    """Apply a Serve config to a running cluster, or print the one it runs."""
+    import logging
+
+    import ray
+    import yaml
+
+    from pdserve.deploy import declarative
+
+    config = None
+    if args.config is not None:
+        config = yaml.safe_load(Path(args.config).read_text())
+        declarative.validate(config)  # before joining: a bad config fails at once
+    # Ray turns token authentication on for a local cluster it finds itself (address
+    # "auto"), never for an address it is given: do as it does for the former, so that
+    # the cluster `pdserve up` started here (token in Ray's default place) answers.
+    # RAY_AUTH_MODE set by the operator wins.
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    # no worker logs here: stdout may be the printed config
+    ray.init(
+        address=args.address,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
+    try:
+        if config is None:
+            print(yaml.safe_dump(declarative.current(), sort_keys=False), end="")
+            return 0
+        names = declarative.apply(config)
+        print(f"pdserve: applied {args.config} ({', '.join(names)})", file=sys.stderr)
+        return 0
+    finally:
+        ray.shutdown()
 
 
 def _absolute_draft(spec: str | None) -> str | None:
@@ -338,7 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     up = sub.add_parser("up", help="start a serving cluster (OpenAI API) and run until Ctrl-C")
-    _add_model_arg(up)
+    up.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="HF model folder (default: the built-in demo model, trained on first use). "
+        "Repeat to serve several models, each as PATH[,FIELD=VALUE...] with a model's own "
+        "fields (e.g. served_model_name=a,mode=colocated,decode_replicas=2)",
+    )
     up.add_argument("--served-model-name", default=None, help="model id for clients")
     up.add_argument(
         "--routes-file",
@@ -579,6 +668,19 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_up)
 
     _add_bench_parser(sub)
+
+    deploy = sub.add_parser(
+        "deploy",
+        help="apply a Serve config to a running cluster (as `serve deploy`, no dashboard "
+        "needed): applications whose args did not change keep their replicas",
+    )
+    deploy.add_argument(
+        "config", nargs="?", default=None, help="Serve config YAML; omit to print the current one"
+    )
+    deploy.add_argument(
+        "--address", required=True, help="the Ray cluster (`pdserve up` prints its address)"
+    )
+    deploy.set_defaults(func=_deploy)
 
     demo = sub.add_parser(
         "demo-model",

@@ -7,6 +7,12 @@ the prefix index and a one-token completion succeeds, then prints
 `pdserve ready at http://HOST:PORT`. On Ctrl-C or SIGTERM it drains (Serve lets running
 requests finish within the replicas' graceful-shutdown timeout) and stops everything it
 started, leaving no process behind.
+
+One model is one application, deployed imperatively (`serve.run`). Several models are
+deployed from a Serve config (deploy/app.py `deploy_config`, deploy/declarative.py), as
+`serve deploy` would: `pdserve deploy CONFIG --address ADDR` can then redeploy the
+cluster with models added or removed, touching only what changed. Either way it prints
+`pdserve ray address ADDR` (stdout) for such a `pdserve deploy`.
 """
 
 from __future__ import annotations
@@ -74,9 +80,12 @@ def wait_until_ready(
         StartAborted: `stop` was set meanwhile.
     """
     api_key = config.api_keys[0] if config.api_keys else None
-    want = {"decode": _initial(config.decode_replicas, config.decode_autoscaling)}
-    if config.mode == "disagg":
-        want["prefill"] = _initial(config.prefill_replicas, config.prefill_autoscaling)
+    wants = {}
+    for cfg in config.model_configs():
+        want = {"decode": _initial(cfg.decode_replicas, cfg.decode_autoscaling)}
+        if cfg.mode == "disagg":
+            want["prefill"] = _initial(cfg.prefill_replicas, cfg.prefill_autoscaling)
+        wants[cfg.model_id] = want
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
@@ -84,14 +93,20 @@ def wait_until_ready(
             raise StartAborted("stopped before the cluster was ready")
         try:
             health = _http_json(f"{base_url}/health", timeout_s=5.0)
-            last = health.get("workers")
-            if all((last or {}).get(role, 0) >= n for role, n in want.items()):
-                _http_json(
-                    f"{base_url}/v1/completions",
-                    {"model": config.model_id, "prompt": "ready", "max_tokens": 1},
-                    timeout_s=max(deadline - time.monotonic(), 1.0),
-                    api_key=api_key,
-                )
+            # several models: each model's workers; one: the body's own
+            models = health.get("models") or {config.model_configs()[0].model_id: health}
+            last = {m: (models.get(m) or {}).get("workers") for m in wants}
+            if all(
+                all((last[m] or {}).get(role, 0) >= n for role, n in want.items())
+                for m, want in wants.items()
+            ):
+                for model_id in wants:
+                    _http_json(
+                        f"{base_url}/v1/completions",
+                        {"model": model_id, "prompt": "ready", "max_tokens": 1},
+                        timeout_s=max(deadline - time.monotonic(), 1.0),
+                        api_key=api_key,
+                    )
                 return
         except (urllib.error.URLError, OSError, ValueError) as exc:
             last = exc
@@ -122,7 +137,8 @@ def run_up(
     from ray import serve
     from ray.serve.schema import LoggingConfig
 
-    from pdserve.deploy.app import APP_NAME, apply_serve_env, build_app
+    from pdserve.deploy import declarative
+    from pdserve.deploy.app import APP_NAME, apply_serve_env, build_app, deploy_config
 
     stop = stop_event or threading.Event()
 
@@ -145,8 +161,9 @@ def run_up(
             redis_server = EmbeddedRedis(password=secrets.token_urlsafe(24)).start()
             config = config.model_copy(update={"redis_url": redis_server.url})
         config = config.resolved()
-        replicas = config.decode_replicas + (
-            config.prefill_replicas if config.mode == "disagg" else 0
+        replicas = sum(
+            cfg.decode_replicas + (cfg.prefill_replicas if cfg.mode == "disagg" else 0)
+            for cfg in config.model_configs()
         )
         if address is None:
             _say("starting a local Ray cluster")
@@ -165,23 +182,29 @@ def run_up(
         else:
             _say(f"joining the Ray cluster at {address}")
             ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        # where `pdserve deploy CONFIG --address ADDR` reaches this cluster
+        print(f"pdserve ray address {ray.get_runtime_context().gcs_address}", flush=True)
         # Ray installs its own SIGTERM handler (which exits at once): ours replaces it.
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
         proxy_port = port if ingress == "proxy" else free_port()
         serve.start(http_options={"host": host, "port": proxy_port})
-        what = f"{config.decode_replicas} decode"
-        if config.mode == "disagg":
-            what = f"{config.prefill_replicas} prefill + {what}"
-        _say(f"deploying {config.model_id} ({config.mode}, {what} replicas, {config.transport})")
-        serve.run(
-            build_app(config),
-            name=APP_NAME,
-            route_prefix="/",
-            blocking=False,
-            logging_config=LoggingConfig(log_level="WARNING", enable_access_log=False),
-        )
+        for cfg in config.model_configs():
+            what = f"{cfg.decode_replicas} decode"
+            if cfg.mode == "disagg":
+                what = f"{cfg.prefill_replicas} prefill + {what}"
+            _say(f"deploying {cfg.model_id} ({cfg.mode}, {what} replicas, {cfg.transport})")
+        if config.models:  # from a Serve config: redeployable (`pdserve deploy`)
+            declarative.apply(deploy_config(config, host, proxy_port))
+        else:
+            serve.run(
+                build_app(config),
+                name=APP_NAME,
+                route_prefix="/",
+                blocking=False,
+                logging_config=LoggingConfig(log_level="WARNING", enable_access_log=False),
+            )
         url = f"http://{host}:{port}"
         _say("waiting for every worker to join the prefix index")
         wait_until_ready(url, config, ready_timeout_s, stop)
@@ -208,7 +231,11 @@ def run_up(
                 # taking requests and finishes those it holds (streams included, within
                 # its graceful_shutdown_timeout_s) while the HTTP proxy still runs.
                 try:
-                    serve.delete(APP_NAME, _blocking=True)
+                    # the router first (it drains its streams while the pools still
+                    # run), then any other: several models' apps, and those a
+                    # `pdserve deploy` added
+                    for name in [APP_NAME, *(set(serve.status().applications) - {APP_NAME})]:
+                        serve.delete(name, _blocking=True)
                 except Exception as exc:  # never deployed, or Serve already gone
                     _say(f"could not delete the application gracefully ({exc!r}); stopping")
                 serve.shutdown()

@@ -223,11 +223,14 @@ def _write_folder(
     save_file(weights, str(model_dir / "model.safetensors"), {"format": "pt"})
 
 
-def write_random_tokenizer(model_dir: Path) -> dict[str, int]:
-    """Write the random model's tokenizer files (vocabulary 512) and generation config
-    into `model_dir`; return the special tokens' ids. In well under a second: for model
-    folders without weights (`engine/dummy_model.py`)."""
-    return _write_tokenizer_files(model_dir, _train_tokenizer(RANDOM_SHAPE.vocab_size))
+def write_random_tokenizer(
+    model_dir: Path, vocab_size: int = RANDOM_SHAPE.vocab_size
+) -> dict[str, int]:
+    """Write the random model's tokenizer files (vocabulary 512, or a tokenizer trained
+    the same way to `vocab_size`) and generation config into `model_dir`; return the
+    special tokens' ids. In well under a second: for model folders without weights
+    (`engine/dummy_model.py`), and test checkpoints that need another tokenizer."""
+    return _write_tokenizer_files(model_dir, _train_tokenizer(vocab_size))
 
 
 def _write_tokenizer_files(model_dir: Path, tokenizer: Tokenizer) -> dict[str, int]:

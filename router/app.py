@@ -20,8 +20,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -35,13 +33,12 @@ from redis.exceptions import RedisError
 
 from pdserve.cluster import tracing
 from pdserve.cluster.config import APIKeyDefaults, ClusterConfig
-from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.prefix_index import WorkerInfo
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.model_config import load_model_config
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.core import Overloaded, RouterCore, UpstreamError
-from pdserve.router.metrics import CONTENT_TYPE
+from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from pdserve.router.models import ServedModel, served_models
 from pdserve.router.prefix_cache import with_default_salt
 from pdserve.router.protocol import (
     ChatCompletionRequest,
@@ -160,6 +157,7 @@ class _Request:
         self.created = int(time.time())
         self.span: Span | None = None  # the request's span when tracing is on
         self.key_defaults = _NO_DEFAULTS  # its API key's defaults (priority, cache_salt)
+        self.served: ServedModel  # the model its `model` field named (set on parsing)
         self.cache: CachePlan | None = None  # the result cache's plan (when it is on)
         self.cached_tokens = 0  # prompt tokens a prefix cache served (router/prefix_cache.py)
 
@@ -203,23 +201,39 @@ class Router:
     """The HTTP ingress; any number of replicas (state lives in Redis and the workers)."""
 
     def __init__(self, config: dict[str, Any], prefill: Any | None, decode: Any) -> None:
+        # The cluster's configuration: one model, or several (`models`; then `prefill` and
+        # `decode` are None and each model's pools are found by name, router/models.py).
+        # Its cluster-wide fields (limits, keys, Redis) are the router's; each model's own
+        # configuration is `r.served.config`.
         self.config = cfg = ClusterConfig.model_validate(config)
-        assert cfg.max_model_len is not None, "pass ClusterConfig.resolved()"
-        self.max_model_len = cfg.max_model_len
-        self.tokenizer = Tokenizer(Path(cfg.model))
-        self.vocab_size = load_model_config(Path(cfg.model)).vocab_size
         self.redis = aioredis.Redis.from_url(
             cfg.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
         )
-        index = PrefixIndex(self.redis, cfg.model_id, cfg.worker_lease_s)
         self.tracer = tracing.tracer("router")  # None unless OTEL_* variables ask for it
-        self.core = RouterCore(cfg, prefill, decode, index, self.tracer)
-        self._token_text = lru_cache(maxsize=65536)(self._decode_one)
+        self.router_metrics = RouterMetrics()
+        self.by_model = served_models(
+            cfg, prefill, decode, self.redis, self.tracer, self.router_metrics
+        )
         self._api_keys = [key.encode() for key in cfg.api_keys]
         self._key_defaults = {k.encode(): v for k, v in cfg.api_key_defaults.items()}
         self._inflight = 0  # requests admitted and not yet finished, this replica
-        self.core.metrics.inflight.set_function(lambda: self._inflight)
-        self.result_cache = ResultCache.from_config(cfg, self.redis, self.core.metrics)
+        self.router_metrics.inflight.set_function(lambda: self._inflight)
+        # one result cache per model: each keys on its own model's identity
+        self.result_caches = {
+            model_id: ResultCache.from_config(served.config, self.redis, served.core.metrics)
+            for model_id, served in self.by_model.items()
+        }
+        # what counts a request rejected before its model is known: the one model's
+        # series, or (several models) the series labelled model=""
+        only = next(iter(self.by_model.values())) if len(self.by_model) == 1 else None
+        self._unrouted = (
+            only.core.metrics if only is not None else self.router_metrics.for_model("")
+        )
+
+    def _served(self, model: str) -> ServedModel:
+        """The served model a request names (404 for any other)."""
+        check_model(model, self.by_model)
+        return self.by_model[model]
 
     def __del__(self) -> None:
         """Serve stops the replica: export the spans still batched (tracing on)."""
@@ -233,24 +247,48 @@ class Router:
 
         The prefix index says which workers are live. Without it (Redis down) each pool
         is asked directly, through its Serve handle: 200 "degraded" if every pool
-        answers in time (serving works, placement is load-only), else 503.
+        answers in time (serving works, placement is load-only), else 503. With several
+        models, every model's pools must be so; `models` says how each one stands.
         """
-        try:
-            workers = await self.core.live_workers()
-        except Exception as exc:  # Redis down: ask the pools themselves
-            return await pools_health(self.core, repr(exc))
-        counts = {role: sum(w.role == role for w in workers) for role in ("prefill", "decode")}
-        ok = counts["decode"] > 0 and (self.core.prefill is None or counts["prefill"] > 0)
-        body = {"status": "ok" if ok else "starting", "mode": self.config.mode, "workers": counts}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        per_model: dict[str, dict[str, Any]] = {}
+        all_ok = True
+        for model_id, served in self.by_model.items():
+            core = served.core
+            try:
+                workers = await core.live_workers()
+            except Exception as exc:  # Redis down: ask the pools themselves
+                answer = await pools_health(core, repr(exc))
+                if len(self.by_model) == 1:
+                    return answer
+                per_model[model_id] = json.loads(bytes(answer.body))
+                all_ok = all_ok and answer.status_code == 200
+                continue
+            roles = ("prefill", "decode")
+            counts = {role: sum(w.role == role for w in workers) for role in roles}
+            ok = counts["decode"] > 0 and (core.prefill is None or counts["prefill"] > 0)
+            all_ok = all_ok and ok
+            status = "ok" if ok else "starting"
+            per_model[model_id] = {"status": status, "mode": core.config.mode, "workers": counts}
+        if len(self.by_model) == 1:
+            body = next(iter(per_model.values()))
+        else:
+            total = {
+                role: sum(m.get("workers", {}).get(role, 0) for m in per_model.values())
+                for role in ("prefill", "decode")
+            }
+            status = "ok" if all_ok else "starting"
+            body = {"status": status, "workers": total, "models": per_model}
+        return JSONResponse(body, status_code=200 if all_ok else 503)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        try:
-            workers = await self.core.live_workers()
-        except (RedisError, OSError, TimeoutError):  # Redis down: no worker gauges
-            workers = []
-        return Response(self.core.metrics.render(workers), media_type=CONTENT_TYPE)
+        workers: dict[str, list[WorkerInfo]] = {}
+        for model_id, served in self.by_model.items():
+            try:
+                workers[model_id] = await served.core.live_workers()
+            except (RedisError, OSError, TimeoutError):  # Redis down: no worker gauges
+                workers[model_id] = []
+        return Response(self.router_metrics.render(workers), media_type=CONTENT_TYPE)
 
     @api.get("/workers")
     async def workers(self, request: Request) -> JSONResponse:
@@ -259,11 +297,16 @@ class Router:
             self._authorize(request)
         except ProtocolError as exc:
             return _error(exc)
-        try:
-            workers = await self.core.live_workers()
-        except Exception as exc:
-            return JSONResponse(_upstream_error_body(exc), status_code=503)
-        return JSONResponse({"workers": await self.core.worker_states(workers)})
+        states: list[dict[str, Any]] = []
+        for model_id, served in self.by_model.items():
+            try:
+                workers = await served.core.live_workers()
+            except Exception as exc:
+                return JSONResponse(_upstream_error_body(exc), status_code=503)
+            states += [
+                {**state, "model": model_id} for state in await served.core.worker_states(workers)
+            ]
+        return JSONResponse({"workers": states})
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -271,14 +314,8 @@ class Router:
             self._authorize(request)  # every /v1 route needs the key when keys are set
         except ProtocolError as exc:
             return _error(exc)
-        card = {
-            "id": self.config.model_id,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pdserve",
-            "max_model_len": self.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [served.card() for served in self.by_model.values()]
+        return JSONResponse({"object": "list", "data": cards})
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -302,7 +339,6 @@ class Router:
             attributes={
                 "http.request.method": "POST",
                 "url.path": request.url.path,
-                "gen_ai.request.model": self.config.model_id,
             },
         )
         try:
@@ -326,7 +362,7 @@ class Router:
             # from here on, this request holds a slot
             body, key_defaults = await self._admit(request)
         except ProtocolError as exc:
-            self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
+            self._unrouted.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
         try:
             if kind == "completion":
@@ -335,18 +371,20 @@ class Router:
                 r = self._parse_chat(body, arrival)
         except ProtocolError as exc:
             self._release()
-            self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
+            self._unrouted.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
         r.key_defaults = key_defaults
         r.params = with_default_salt(r.params, key_defaults.cache_salt)
-        if self.result_cache is not None:  # the salt is in the params, hence in the key
-            r.cache = self.result_cache.plan(
+        result_cache = self.result_caches[r.served.model_id]
+        if result_cache is not None:  # the salt is in the params, hence in the key
+            r.cache = result_cache.plan(
                 r.prompt_ids, r.params, r.params.cache_salt, request.headers, r.req.result_cache
             )
         if span is not None:  # never the prompt's text: ids and counts only
             r.span = span
             span.set_attributes(
                 {
+                    "gen_ai.request.model": r.served.model_id,
                     "pdserve.request_id": r.id,
                     "gen_ai.usage.input_tokens": len(r.prompt_ids),
                     "pdserve.stream": bool(r.req.stream),
@@ -356,24 +394,28 @@ class Router:
 
     def _parse_completion(self, body: bytes, arrival: float) -> _Request:
         req = parse_request(CompletionRequest, body)
-        check_model(req.model, [self.config.model_id])
+        served = self._served(req.model)
         prompt = req.prompt_input()
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = served.tokenizer.encode(prompt)
         else:
-            ids = self._check_token_ids(prompt)
-        params = to_sampling_params(req, len(ids), self.max_model_len)
-        return _Request("completion", req, ids, params, arrival)
+            ids = self._check_token_ids(served, prompt)
+        params = to_sampling_params(req, len(ids), served.max_model_len)
+        r = _Request("completion", req, ids, params, arrival)
+        r.served = served
+        return r
 
     def _parse_chat(self, body: bytes, arrival: float) -> _Request:
         req = parse_request(ChatCompletionRequest, body)
-        check_model(req.model, [self.config.model_id])
+        served = self._served(req.model)
         try:
-            ids = self.tokenizer.encode_chat(req.chat_messages(), req.add_generation_prompt)
+            ids = served.tokenizer.encode_chat(req.chat_messages(), req.add_generation_prompt)
         except InvalidRequestError as exc:
             raise ProtocolError(str(exc), param="messages") from exc
-        params = to_sampling_params(req, len(ids), self.max_model_len)
-        return _Request("chat", req, ids, params, arrival)
+        params = to_sampling_params(req, len(ids), served.max_model_len)
+        r = _Request("chat", req, ids, params, arrival)
+        r.served = served
+        return r
 
     # -- admission --------------------------------------------------------------------
 
@@ -436,11 +478,11 @@ class Router:
 
     # -- serving ------------------------------------------------------------------------
 
-    def _check_token_ids(self, ids: list[int]) -> list[int]:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+    def _check_token_ids(self, served: ServedModel, ids: list[int]) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < served.vocab_size]
         if bad:
             raise ProtocolError(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                f"token ids {bad[:5]} are outside the vocabulary [0, {served.vocab_size})",
                 param="prompt",
             )
         return ids
@@ -450,13 +492,15 @@ class Router:
         try:  # placed before the response begins: past capacity, a 429 and nothing sent
             items = await self._cached(r)
             if items is None:
-                items = await self.core.start(r.id, r.prompt_ids, r.params, r.arrival_s, r.span)
-                if self.result_cache is not None and r.cache is not None and r.cache.write:
-                    items = self.result_cache.record(r.cache, items)
+                core = r.served.core
+                items = await core.start(r.id, r.prompt_ids, r.params, r.arrival_s, r.span)
+                cache = self.result_caches[r.served.model_id]
+                if cache is not None and r.cache is not None and r.cache.write:
+                    items = cache.record(r.cache, items)
         except Overloaded as exc:
             self._release()
             endpoint = "completions" if r.kind == "completion" else "chat"
-            self.core.metrics.requests.labels(endpoint, "429").inc()
+            r.served.core.metrics.requests.labels(endpoint, "429").inc()
             shed = ProtocolError(str(exc), status_code=429, code="overloaded")
             return _error(shed, exc.retry_after_s)
         except BaseException:  # e.g. cancelled (the client went away): the slot is free
@@ -479,9 +523,10 @@ class Router:
 
     async def _cached(self, r: _Request) -> AsyncIterator[dict[str, Any]] | None:
         """The result cache's stored items for `r` (a hit), else None: no worker needed."""
-        if self.result_cache is None or r.cache is None:
+        result_cache = self.result_caches[r.served.model_id]
+        if result_cache is None or r.cache is None:
             return None
-        items = await self.result_cache.replay(r.cache)
+        items = await result_cache.replay(r.cache)
         if items is not None:
             # no worker computed anything of the prompt: every prompt token was cached
             r.cached_tokens = len(r.prompt_ids)
@@ -503,26 +548,26 @@ class Router:
                 finish_reason = item["finish_reason"]
                 r.cached_tokens = item.get("cached_tokens", r.cached_tokens)
         except UpstreamError as exc:
-            self.core.metrics.requests.labels(endpoint, "503").inc()
+            r.served.core.metrics.requests.labels(endpoint, "503").inc()
             if r.span is not None:
                 tracing.fail(r.span, exc)
             return JSONResponse(_upstream_error_body(exc), status_code=503)
         self._observe_done(r, len(token_ids), finish_reason)
-        self.core.metrics.requests.labels(endpoint, "200").inc()
+        r.served.core.metrics.requests.labels(endpoint, "200").inc()
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
         if r.kind == "completion":
             choice["text"] = "".join(text)
-            choice["logprobs"] = self._completion_logprobs(logprobs) if logprobs else None
+            choice["logprobs"] = self._completion_logprobs(r, logprobs) if logprobs else None
             obj = "text_completion"
         else:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
-            choice["logprobs"] = self._chat_logprobs(logprobs) if logprobs else None
+            choice["logprobs"] = self._chat_logprobs(r, logprobs) if logprobs else None
             obj = "chat.completion"
         body: dict[str, Any] = {
             "id": r.id,
             "object": obj,
             "created": r.created,
-            "model": self.config.model_id,
+            "model": r.served.model_id,
             "choices": [choice],
             "usage": self._usage(r, len(token_ids)),
         }
@@ -536,7 +581,7 @@ class Router:
     ) -> AsyncIterator[str]:
         endpoint = "completions" if r.kind == "completion" else "chat"
         obj = "text_completion" if r.kind == "completion" else "chat.completion.chunk"
-        base = {"id": r.id, "object": obj, "created": r.created, "model": self.config.model_id}
+        base = {"id": r.id, "object": obj, "created": r.created, "model": r.served.model_id}
         include_usage = bool(r.req.stream_options and r.req.stream_options.include_usage)
         num_tokens = 0
         last_token_s: float | None = None
@@ -553,7 +598,7 @@ class Router:
             async for item in items:
                 now = time.monotonic()
                 if last_token_s is not None and item["token_ids"] and not _hit(r):
-                    self.core.metrics.itl.observe(now - last_token_s)
+                    r.served.core.metrics.itl.observe(now - last_token_s)
                 last_token_s = now
                 num_tokens += len(item["token_ids"])
                 finish_reason = item["finish_reason"]
@@ -562,10 +607,10 @@ class Router:
                 lps = item.get("logprobs")
                 if r.kind == "completion":
                     choice["text"] = item["text"]
-                    choice["logprobs"] = self._completion_logprobs(lps) if lps else None
+                    choice["logprobs"] = self._completion_logprobs(r, lps) if lps else None
                 else:
                     choice["delta"] = {"content": item["text"]} if item["text"] else {}
-                    choice["logprobs"] = self._chat_logprobs(lps) if lps else None
+                    choice["logprobs"] = self._chat_logprobs(r, lps) if lps else None
                 if r.req.return_token_ids:
                     choice["token_ids"] = item["token_ids"]
                 chunk = {**base, "choices": [choice]}
@@ -576,9 +621,9 @@ class Router:
             self._observe_done(r, num_tokens, finish_reason)
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": self._usage(r, num_tokens)})
-            self.core.metrics.requests.labels(endpoint, "200").inc()
+            r.served.core.metrics.requests.labels(endpoint, "200").inc()
         except UpstreamError as exc:
-            self.core.metrics.requests.labels(endpoint, "503").inc()
+            r.served.core.metrics.requests.labels(endpoint, "503").inc()
             if r.span is not None:
                 tracing.fail(r.span, exc)
             yield _sse(_upstream_error_body(exc))
@@ -587,9 +632,9 @@ class Router:
         yield "data: [DONE]\n\n"
 
     def _observe_done(self, r: _Request, num_tokens: int, finish_reason: str | None) -> None:
-        self.core.metrics.e2e.observe(time.monotonic() - r.arrival_s)
+        r.served.core.metrics.e2e.observe(time.monotonic() - r.arrival_s)
         if not _hit(r):  # a result cache hit generated nothing
-            self.core.metrics.generation_tokens.inc(num_tokens)
+            r.served.core.metrics.generation_tokens.inc(num_tokens)
         if r.span is not None:
             attrs: dict[str, Any] = {"gen_ai.usage.output_tokens": num_tokens}
             if finish_reason is not None:
@@ -611,11 +656,8 @@ class Router:
             "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
         }
 
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _completion_logprobs(self, lps: list[Any]) -> dict[str, Any]:
-        tokens = [self._token_text(t) for t, _, _ in lps]
+    def _completion_logprobs(self, r: _Request, lps: list[Any]) -> dict[str, Any]:
+        tokens = [r.served.token_text(t) for t, _, _ in lps]
         offsets, pos = [], 0
         for tok in tokens:
             offsets.append(pos)
@@ -623,13 +665,13 @@ class Router:
         return {
             "tokens": tokens,
             "token_logprobs": [lp for _, lp, _ in lps],
-            "top_logprobs": [{self._token_text(t): v for t, v in top} for _, _, top in lps],
+            "top_logprobs": [{r.served.token_text(t): v for t, v in top} for _, _, top in lps],
             "text_offset": offsets,
         }
 
-    def _chat_logprobs(self, lps: list[Any]) -> dict[str, Any]:
+    def _chat_logprobs(self, r: _Request, lps: list[Any]) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token_text(token_id)
+            text = r.served.token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         content = [

@@ -147,6 +147,7 @@ class RouterCore:
         decode: Any,
         index: PrefixIndex,
         tracer: Tracer | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.config = config
         self.tracer = tracer
@@ -155,7 +156,8 @@ class RouterCore:
         self.index = index
         self.namespace = hash_namespace(config.model_id)
         self.placer = Placer(config.placement, config.weights, config.block_size)
-        self.metrics = RouterMetrics()
+        # a router serving several models shares one registry: this model's labelled view
+        self.metrics = (metrics or RouterMetrics()).for_model(config.model_id)
         # prompt tokens this router sent to each prefill worker (remote) / decode worker
         # (local) and has not seen prefilled: queue the heartbeats have not shown yet
         self.inflight_prefill_tokens: Counter[str] = Counter()

@@ -5,11 +5,14 @@ bytes) are observed by the router replica that served the request, from what the
 workers report with each call. Worker gauges (running and waiting requests, KV blocks,
 queued prefill tokens) are read from the prefix index at scrape time, so any router
 replica shows the whole cluster. Scrape every router replica and sum the counters.
+With several models (docs/architecture.md, "Several models") every request-level series
+and every worker gauge carries the model's id as a `model` label.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -55,147 +58,223 @@ _WORKER_GAUGES = {
 
 
 class _WorkerCollector:
-    """Exposes the last index snapshot of every live worker as gauges."""
+    """Exposes the last index snapshot of every live worker as gauges, per model."""
 
     def __init__(self) -> None:
-        self.workers: Sequence[WorkerInfo] = ()
+        self.workers: Mapping[str, Sequence[WorkerInfo]] = {}
 
     def collect(self) -> Iterable[Metric]:
         for name, doc in _WORKER_GAUGES.items():
-            family = GaugeMetricFamily(f"pdserve_worker_{name}", doc, labels=["worker", "role"])
-            for w in self.workers:
-                if name in w.load:
-                    family.add_metric([w.worker_id, w.role], w.load[name])
+            family = GaugeMetricFamily(
+                f"pdserve_worker_{name}", doc, labels=["model", "worker", "role"]
+            )
+            for model, workers in self.workers.items():
+                for w in workers:
+                    if name in w.load:
+                        family.add_metric([model, w.worker_id, w.role], w.load[name])
             yield family
-        live = GaugeMetricFamily("pdserve_workers_live", "Live workers per pool", labels=["role"])
-        for role in ("prefill", "decode"):
-            live.add_metric([role], sum(w.role == role for w in self.workers))
+        live = GaugeMetricFamily(
+            "pdserve_workers_live", "Live workers per model and pool", labels=["model", "role"]
+        )
+        for model, workers in self.workers.items():
+            for role in ("prefill", "decode"):
+                live.add_metric([model, role], sum(w.role == role for w in workers))
         yield live
 
 
+class _Partial:
+    """A labelled metric with its `model` label given: `.labels(*rest)` as if it were the
+    metric without that label, so request-path code reads the same with or without it."""
+
+    def __init__(self, metric: Any, model: str) -> None:
+        self._metric = metric
+        self._model = model
+
+    def labels(self, *values: str) -> Any:
+        return self._metric.labels(self._model, *values)
+
+
+class ModelMetrics:
+    """One model's view of a router replica's metrics (`RouterMetrics.for_model`): the
+    same attributes, each with the `model` label filled in. Every model's series live in
+    the replica's one registry."""
+
+    def __init__(self, parent: RouterMetrics, model: str) -> None:
+        p = parent
+        self.model = model
+        self.registry = p.registry
+        self.inflight = p.inflight
+        self.ttft = p.ttft.labels(model)
+        self.itl = p.itl.labels(model)
+        self.e2e = p.e2e.labels(model)
+        self.generation_tokens = p.generation_tokens.labels(model)
+        self.transfer_bytes = p.transfer_bytes.labels(model)
+        self.transfer_blocks = p.transfer_blocks.labels(model)
+        self.transfer_seconds = p.transfer_seconds.labels(model)
+        self.transfers_failed = p.transfers_failed.labels(model)
+        self.resumes = p.resumes.labels(model)
+        self.ttft_stage = _Partial(p.ttft_stage, model)
+        self.requests = _Partial(p.requests, model)
+        self.prompt_tokens = _Partial(p.prompt_tokens, model)
+        self.hit_tokens = _Partial(p.hit_tokens, model)
+        self.local_prefills = _Partial(p.local_prefills, model)
+        self.disagg_decisions = _Partial(p.disagg_decisions, model)
+        self.placements = _Partial(p.placements, model)
+        self.placement_overrides = _Partial(p.placement_overrides, model)
+        self.result_cache_hits = p.result_cache_hits.labels(model)
+        self.result_cache_misses = p.result_cache_misses.labels(model)
+        self.result_cache_errors = p.result_cache_errors.labels(model)
+        self.result_cache_stores = _Partial(p.result_cache_stores, model)
+        self.result_cache_stored_bytes = p.result_cache_stored_bytes.labels(model)
+        for result in ("stored", "too_large", "error"):
+            self.result_cache_stores.labels(result)
+        for reason in LOCAL_PREFILL_REASONS:  # every reason shows, at 0 until it happens
+            self.local_prefills.labels(reason)
+        for where, reasons in REASONS.items():
+            for reason in reasons:
+                self.disagg_decisions.labels(where, reason)
+        self._parent = parent
+
+    def render(self, workers: Sequence[WorkerInfo]) -> bytes:
+        """The replica's whole registry, with `workers` as this model's live workers."""
+        return self._parent.render({self.model: workers})
+
+
 class RouterMetrics:
-    """One registry per router replica (tests may build several in one process)."""
+    """One registry per router replica (tests may build several in one process).
+
+    Every request-level series carries a `model` label: a model's `RouterCore` records
+    through its `for_model` view. The in-flight gauge is the replica's, for all models.
+    """
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Request arrival at the router to its first token leaving it",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "pdserve_inter_token_latency_seconds",
             "Time between consecutive streamed tokens",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "pdserve_e2e_request_latency_seconds",
             "Request arrival to its last token",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft_stage = Histogram(
             "pdserve_ttft_breakdown_seconds",
             "Where time to first token went, per stage of the request path",
-            ["stage"],
+            ["model", "stage"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.requests = Counter(
-            "pdserve_requests", "Requests by outcome", ["endpoint", "status"], registry=r
+            "pdserve_requests", "Requests by outcome", ["model", "endpoint", "status"], registry=r
         )
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens",
             "Prompt tokens each pool was asked to hold",
-            ["pool"],
+            ["model", "pool"],
             registry=r,
         )
         self.hit_tokens = Counter(
             "pdserve_prefix_cache_hit_tokens",
             "Prompt tokens each pool found in its prefix cache",
-            ["pool"],
+            ["model", "pool"],
             registry=r,
         )
         self.generation_tokens = Counter(
-            "pdserve_generation_tokens", "Tokens generated", registry=r
+            "pdserve_generation_tokens", "Tokens generated", ["model"], registry=r
         )
         self.transfer_bytes = Counter(
-            "pdserve_kv_transfer_bytes", "KV bytes pushed from prefill to decode", registry=r
+            "pdserve_kv_transfer_bytes",
+            "KV bytes pushed from prefill to decode",
+            ["model"],
+            registry=r,
         )
         self.transfer_blocks = Counter(
-            "pdserve_kv_transfer_blocks", "KV blocks pushed from prefill to decode", registry=r
+            "pdserve_kv_transfer_blocks",
+            "KV blocks pushed from prefill to decode",
+            ["model"],
+            registry=r,
         )
         self.transfer_seconds = Counter(
-            "pdserve_kv_transfer_seconds", "Seconds spent pushing KV", registry=r
+            "pdserve_kv_transfer_seconds", "Seconds spent pushing KV", ["model"], registry=r
         )
         self.transfers_failed = Counter(
             "pdserve_kv_transfer_failures",
             "Pushes that failed (decode prefilled locally)",
+            ["model"],
             registry=r,
         )
         self.local_prefills = Counter(
             "pdserve_decode_local_prefill",
             "Prompts a decode worker prefilled itself in disaggregated mode, by reason",
-            ["reason"],
+            ["model", "reason"],
             registry=r,
         )
-        for reason in LOCAL_PREFILL_REASONS:  # every reason shows, at 0 until it happens
-            self.local_prefills.labels(reason)
         self.disagg_decisions = Counter(
             "pdserve_disagg_decisions",
             "Where each prompt was prefilled (or why it was shed), by the router's reason",
-            ["where", "reason"],
+            ["model", "where", "reason"],
             registry=r,
         )
-        for where, reasons in REASONS.items():
-            for reason in reasons:
-                self.disagg_decisions.labels(where, reason)
         self.resumes = Counter(
             "pdserve_decode_resumes",
             "Streams resumed on another decode worker after theirs failed",
+            ["model"],
             registry=r,
         )
         self.placements = Counter(
             "pdserve_placements",
             "Requests served per worker (the replica that took the call)",
-            ["role", "worker"],
+            ["model", "role", "worker"],
             registry=r,
         )
         self.placement_overrides = Counter(
             "pdserve_placement_overrides",
             "Calls Ray Serve gave to another replica than the one placement chose",
-            ["role"],
+            ["model", "role"],
             registry=r,
         )
         # The result cache (router/result_cache.py); all 0 while it is off.
         self.result_cache_hits = Counter(
             "pdserve_result_cache_hits",
             "Requests answered from the result cache, without reaching a worker",
+            ["model"],
             registry=r,
         )
         self.result_cache_misses = Counter(
             "pdserve_result_cache_misses",
             "Fully determined requests looked up in the result cache and not found",
+            ["model"],
             registry=r,
         )
         self.result_cache_errors = Counter(
             "pdserve_result_cache_errors",
             "Result cache lookups Redis did not answer in time (served by the workers)",
+            ["model"],
             registry=r,
         )
         self.result_cache_stores = Counter(
             "pdserve_result_cache_stores",
             "Results offered to the result cache, by outcome",
-            ["result"],
+            ["model", "result"],
             registry=r,
         )
-        for result in ("stored", "too_large", "error"):
-            self.result_cache_stores.labels(result)
         self.result_cache_stored_bytes = Counter(
             "pdserve_result_cache_stored_bytes",
             "Bytes of results stored in the result cache",
+            ["model"],
             registry=r,
         )
         self.inflight = Gauge(
@@ -206,6 +285,11 @@ class RouterMetrics:
         self._workers = _WorkerCollector()
         r.register(self._workers)
 
-    def render(self, workers: Sequence[WorkerInfo]) -> bytes:
+    def for_model(self, model: str) -> ModelMetrics:
+        """The metrics a model's `RouterCore` records into (its `model` label set)."""
+        return ModelMetrics(self, model)
+
+    def render(self, workers: Mapping[str, Sequence[WorkerInfo]]) -> bytes:
+        """The registry, with `workers` (live workers by model id) as the worker gauges."""
         self._workers.workers = workers
         return generate_latest(self.registry)

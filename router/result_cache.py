@@ -60,7 +60,7 @@ from redis.exceptions import RedisError
 from pdserve.cluster.config import ClusterConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.speculative import SpeculativeConfig
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +192,7 @@ def model_identity(config: ClusterConfig) -> str:
     engine setting that can change a token. A restarted cluster with another checkpoint
     (or dtype, quantization, ...) has another identity, so it never serves old results.
     """
+    assert config.model is not None, "one model's configuration (model_configs())"
     spec = SpeculativeConfig.parse(config.speculative) if config.speculative else None
     draft = spec.draft_model if spec is not None else None
     parts = {
@@ -278,7 +279,7 @@ class ResultCache:
         ttl_s: float,
         max_entries: int,
         max_entry_bytes: int,
-        metrics: RouterMetrics,
+        metrics: ModelMetrics,
     ) -> None:
         self.redis = redis
         self.identity = identity
@@ -291,7 +292,7 @@ class ResultCache:
 
     @classmethod
     def from_config(
-        cls, config: ClusterConfig, redis: aioredis.Redis, metrics: RouterMetrics
+        cls, config: ClusterConfig, redis: aioredis.Redis, metrics: ModelMetrics
     ) -> ResultCache | None:
         """The cache `config` asks for; None when it is off (`result_cache_ttl_s` None)."""
         if config.result_cache_ttl_s is None:

@@ -161,9 +161,11 @@ def make_checkpoint(
 
     `make(arch="llama" | "mistral" | "qwen2", *, hidden_size=64, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=None, intermediate_size=128, tie_word_embeddings=False,
-    rope_scaling=None, dtype="float32", seed=0, max_position_embeddings=1024, shard=False)`
-    returns the folder; equal arguments return the same folder within a session.
-    `shard=True` saves several shards plus `model.safetensors.index.json`.
+    rope_scaling=None, dtype="float32", seed=0, max_position_embeddings=1024, shard=False,
+    vocab_size=512)` returns the folder; equal arguments return the same folder within a
+    session. `shard=True` saves several shards plus `model.safetensors.index.json`.
+    Another `vocab_size` gives the checkpoint a tokenizer of its own, trained the same way
+    to that size (other merges: the same text encodes to other ids).
     """
     built: dict[str, Path] = {}
 
@@ -182,6 +184,7 @@ def make_checkpoint(
         seed: int = 0,
         max_position_embeddings: int = 1024,
         shard: bool = False,
+        vocab_size: int = 512,
     ) -> Path:
         args = {
             "arch": arch,
@@ -197,6 +200,7 @@ def make_checkpoint(
             "seed": seed,
             "max_position_embeddings": max_position_embeddings,
             "shard": shard,
+            "vocab_size": vocab_size,
         }
         key = json.dumps(args, sort_keys=True)  # rope_scaling is a dict: not hashable as is
         if key not in built:
@@ -242,6 +246,14 @@ def _build_checkpoint(out: Path, demo_dir: Path, **args: Any) -> None:
     config_cls, model_cls = classes[args["arch"]]
     demo_config = json.loads((demo_dir / "config.json").read_text())
     demo_generation = json.loads((demo_dir / "generation_config.json").read_text())
+    if args["vocab_size"] != demo_config["vocab_size"]:  # a tokenizer of its own
+        from pdserve.engine.demo_model import write_random_tokenizer
+
+        out.mkdir(parents=True, exist_ok=True)
+        write_random_tokenizer(out, args["vocab_size"])
+        demo_dir = out  # its tokenizer files and special ids are copied from there
+        demo_generation = json.loads((out / "generation_config.json").read_text())
+        demo_config = {**demo_config, **demo_generation, "vocab_size": args["vocab_size"]}
     config = config_cls(
         vocab_size=demo_config["vocab_size"],
         hidden_size=args["hidden_size"],
@@ -266,7 +278,8 @@ def _build_checkpoint(out: Path, demo_dir: Path, **args: Any) -> None:
     shard_kwargs = {"max_shard_size": "200KB"} if args["shard"] else {}
     model.save_pretrained(out, **shard_kwargs)
     for name in TOKENIZER_FILES:
-        shutil.copyfile(demo_dir / name, out / name)
+        if demo_dir != out:
+            shutil.copyfile(demo_dir / name, out / name)
     generation = {key: demo_generation[key] for key in ("bos_token_id", "eos_token_id")}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
@@ -363,6 +376,13 @@ START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 90.0
 
 
+class ClusterURL(str):
+    """The base URL `pdserve_up` yields; `ray_address` is the address of its Ray cluster
+    (what `pdserve deploy --address` takes), from the line `pdserve up` prints."""
+
+    ray_address: str | None = None
+
+
 def _read_until_ready(proc: subprocess.Popen[str], log: list[str]) -> str:
     assert proc.stdout is not None
     try:
@@ -374,7 +394,11 @@ def _read_until_ready(proc: subprocess.Popen[str], log: list[str]) -> str:
             f"pdserve up not ready in {START_TIMEOUT_S}s:\n" + "\n".join(log)
         ) from None
     drain(proc.stdout)  # Ray writes to stdout too: a full pipe would stall pdserve up
-    return line.split("pdserve ready at ", 1)[1].strip()
+    url = ClusterURL(line.split("pdserve ready at ", 1)[1].strip())
+    for earlier in log:
+        if earlier.startswith("pdserve ray address "):
+            url.ray_address = earlier.removeprefix("pdserve ray address ").strip()
+    return url
 
 
 # Where a test cluster's HTTP ports come from: below Linux's ephemeral range (32768 up).

@@ -167,6 +167,55 @@ def test_serve_config_validates() -> None:
     ClusterConfig.model_validate(app.args)
 
 
+SERVE_CONFIG_MULTI = REPO_DIR / "deploy" / "serve_config_multi.yaml"
+
+
+def test_serve_config_of_several_models_builds_each_app(demo_model_dir: Path) -> None:
+    """deploy/serve_config_multi.yaml: the router app and one app per model, each built
+    by its builder; removing a model changes the router app's code version (Serve
+    replaces its replicas) and no other model's app's (their replicas stay)."""
+    from ray.serve._private.build_app import build_app  # what Serve's controller runs
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve._private.utils import import_attr
+
+    from pdserve.cluster.config import model_app_name
+    from pdserve.deploy import declarative
+
+    raw = yaml.safe_load(SERVE_CONFIG_MULTI.read_text())
+    (router,) = [app for app in raw["applications"] if app["name"] == "pdserve"]
+    for entry in router["args"]["models"]:  # the anchors: the model apps' entries too
+        entry["model"] = str(demo_model_dir)
+    config = declarative.validate(raw)  # every app's args through its builder's checks
+    cluster = ClusterConfig.from_serve_args(router["args"])
+    ids = cluster.model_ids()
+    assert len(ids) == 2 and {c.mode for c in cluster.model_configs()} == {"disagg", "colocated"}
+    apps = {app.name: app for app in config.applications}
+    assert set(apps) == {"pdserve", *(model_app_name(i) for i in ids)}
+    assert apps["pdserve"].route_prefix == "/"
+    for single in cluster.model_configs():
+        app = apps[model_app_name(single.model_id)]
+        assert app.route_prefix is None
+        (own,) = ClusterConfig.from_serve_args(app.args).model_configs()
+        assert own.model_dump(exclude={"cluster_token"}) == single.model_dump(
+            exclude={"cluster_token"}
+        )
+        built = build_app(import_attr(app.import_path)(app.args), name=app.name)
+        want = {"Decode"} | ({"Prefill"} if single.mode == "disagg" else set())
+        assert {d.name for d in built.deployments} == want
+    built = build_app(import_attr(router["import_path"])(router["args"]), name="pdserve")
+    assert {d.name for d in built.deployments} == {"Router"}
+
+    # redeployed without the second model
+    before = {name: get_app_code_version(app) for name, app in apps.items()}
+    kept, dropped = ids
+    router["args"]["models"] = router["args"]["models"][:1]
+    raw["applications"] = [a for a in raw["applications"] if a["name"] != model_app_name(dropped)]
+    after = {app.name: get_app_code_version(app) for app in declarative.validate(raw).applications}
+    assert set(after) == {"pdserve", model_app_name(kept)}
+    assert after[model_app_name(kept)] == before[model_app_name(kept)]
+    assert after["pdserve"] != before["pdserve"]
+
+
 # --- Kubernetes manifests ---------------------------------------------------------------
 
 

@@ -66,7 +66,8 @@ def db(redis_url: str) -> Iterator[redis.Redis]:
 def make_cache(url: str, identity: str = "model-a", **kw: Any) -> ResultCache:
     args: dict[str, Any] = {"ttl_s": 60.0, "max_entries": 100, "max_entry_bytes": 1 << 20}
     args.update(kw)
-    return ResultCache(aioredis.Redis.from_url(url), identity, metrics=RouterMetrics(), **args)
+    metrics = RouterMetrics().for_model("m")
+    return ResultCache(aioredis.Redis.from_url(url), identity, metrics=metrics, **args)
 
 
 def counted(cache: ResultCache, name: str, **labels: str) -> float:
@@ -244,7 +245,8 @@ def test_a_changed_checkpoint_misses_a_copy_hits(
         cfg = ClusterConfig(
             model=str(folder), served_model_name="m", redis_url=redis_url, **kw
         ).model_copy(update={"result_cache_ttl_s": 60.0})
-        cache = ResultCache.from_config(cfg, aioredis.Redis.from_url(redis_url), RouterMetrics())
+        metrics = RouterMetrics().for_model("m")
+        cache = ResultCache.from_config(cfg, aioredis.Redis.from_url(redis_url), metrics)
         assert cache is not None
         return cache
 
