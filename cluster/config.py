@@ -408,6 +408,7 @@ class ClusterConfig(BaseModel):
             raise ConfigError("model", "give exactly one of `model` and `models`")
         if self.models:
             self._check_models()
+            self._check_routes()
             return self
         for cpus in (self.prefill_cpus, self.decode_cpus):
             if cpus is not None:
@@ -439,9 +440,7 @@ class ClusterConfig(BaseModel):
         scheme = urlsplit(self.redis_url).scheme
         if self.redis_url and scheme not in ("redis", "rediss", "unix"):
             raise ConfigError("redis_url", "must be a redis://, rediss:// or unix:// URL")
-        problems = route_problems(self.routes, self.served_model_ids())
-        if problems:
-            raise ConfigError("routes", "; ".join(problems))
+        self._check_routes()
         self._check_tensor_parallel()
         try:
             for role in self.roles():  # the engine's own rules (block_size a power of two, ...)
@@ -474,7 +473,8 @@ class ClusterConfig(BaseModel):
         what each model's pools and its part of the router receive."""
         if not self.models:
             return [self]
-        base = self.model_dump(exclude={"models", "model"})
+        # routes are the router's: each model's own configuration serves only its model
+        base = self.model_dump(exclude={"models", "model", "routes"})
         out = []
         for spec in self.models:
             try:
@@ -485,6 +485,11 @@ class ClusterConfig(BaseModel):
                 why = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
                 raise ConfigError("models", f"model {spec.model!r}: {why}") from None
         return out
+
+    def _check_routes(self) -> None:
+        problems = route_problems(self.routes, self.model_ids())
+        if problems:
+            raise ConfigError("routes", "; ".join(problems))
 
     def model_ids(self) -> list[str]:
         """The served model ids, in configuration order."""
@@ -549,10 +554,6 @@ class ClusterConfig(BaseModel):
         if self.model is None:
             raise ValueError("a configuration of several models has no single model_id")
         return self.served_model_name or Path(self.model).name
-
-    def served_model_ids(self) -> list[str]:
-        """The model ids clients may name (routes aside)."""
-        return [self.model_id]
 
     def roles(self) -> tuple[str, ...]:
         """The worker pools this cluster runs: colocated mode has only the decode pool."""
