@@ -14,6 +14,7 @@ Extensions beyond OpenAI's schema: `top_k`, `ignore_eos`, `stop_token_ids`, and
 # NOTE: no `from __future__ import annotations` here: FastAPI must see `Request` as a
 # class, not a string, in methods that Ray Serve's ingress re-binds.
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -42,6 +43,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.core import Overloaded, RouterCore, UpstreamError
 from pdserve.router.metrics import CONTENT_TYPE
+from pdserve.router.priority import inflight_limit
 from pdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -209,6 +211,8 @@ class Router:
         self._api_keys = [key.encode() for key in cfg.api_keys]
         self._key_defaults = {k.encode(): v for k, v in cfg.api_key_defaults.items()}
         self._inflight = 0  # requests admitted and not yet finished, this replica
+        # bodies read at once (a bound on their memory), before a request takes a slot
+        self._reading = asyncio.Semaphore(cfg.max_inflight_requests)
         self.core.metrics.inflight.set_function(lambda: self._inflight)
 
     def __del__(self) -> None:
@@ -313,7 +317,6 @@ class Router:
     ) -> Response:
         endpoint = "completions" if kind == "completion" else "chat"
         try:
-            # from here on, this request holds a slot
             body, key_defaults = await self._admit(request)
         except ProtocolError as exc:
             self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
@@ -323,11 +326,11 @@ class Router:
                 r = self._parse_completion(body, arrival)
             else:
                 r = self._parse_chat(body, arrival)
+            r.key_defaults = key_defaults
+            self._take_slot(r)  # from here on, this request holds a slot
         except ProtocolError as exc:
-            self._release()
             self.core.metrics.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
-        r.key_defaults = key_defaults
         if span is not None:  # never the prompt's text: ids and counts only
             r.span = span
             span.set_attributes(
@@ -386,23 +389,31 @@ class Router:
         )
 
     async def _admit(self, request: Request) -> tuple[bytes, APIKeyDefaults]:
-        """Authorize, bound the in-flight load and the body size; return the body and
-        the API key's defaults."""
+        """Authorize, read the body within its size bound; return the body and the API
+        key's defaults. The in-flight slot is taken once the body says the request's
+        priority (`_take_slot`). As many bodies as slots are read at once, more wait their
+        turn: a 429 here could not tell an important request from another."""
         defaults = self._authorize(request)
-        if self._inflight >= self.config.max_inflight_requests:
+        async with self._reading:
+            return await self._read_body(request), defaults
+
+    def _take_slot(self, r: _Request) -> None:
+        """Settle `r`'s priority (its own, else its API key's default) and take an
+        in-flight slot, or raise 429 past the limit that priority sees (priority.py:
+        lower priorities may be kept out of a reserved headroom)."""
+        priority = r.req.priority if r.req.priority is not None else r.key_defaults.priority
+        if priority != r.params.priority:
+            r.params = dataclasses.replace(r.params, priority=priority)
+        limit = inflight_limit(self.config, priority)
+        if self._inflight >= limit:
+            self.core.metrics.shed.labels(str(priority), "inflight").inc()
             raise ProtocolError(
-                f"the router is at its limit of {self.config.max_inflight_requests} "
-                "requests in flight; retry later",
+                f"the router is at its limit of {limit} requests in flight for priority "
+                f"{priority}; retry later",
                 status_code=429,
                 code="overloaded",
             )
-        # Taken before the first await: the check and the increment must not be split.
-        self._inflight += 1
-        try:
-            return await self._read_body(request), defaults
-        except BaseException:
-            self._inflight -= 1
-            raise
+        self._inflight += 1  # no await since the check: the two are not split
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -436,6 +447,7 @@ class Router:
             items = await self.core.start(r.id, r.prompt_ids, r.params, r.arrival_s, r.span)
         except Overloaded as exc:
             self._release()
+            self.core.metrics.shed.labels(str(r.params.priority), "prefill_queue").inc()
             endpoint = "completions" if r.kind == "completion" else "chat"
             self.core.metrics.requests.labels(endpoint, "429").inc()
             shed = ProtocolError(str(exc), status_code=429, code="overloaded")

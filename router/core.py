@@ -49,6 +49,7 @@ from pdserve.router.channels import ChannelStream, DecodeChannels
 from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Choice, Placer, decode_running, queued_tokens
+from pdserve.router.priority import prefill_queue_bound_s
 
 logger = logging.getLogger(__name__)
 
@@ -259,20 +260,23 @@ class RouterCore:
             )
         return Placed(prefill, decode, True, remote, local, running)
 
-    async def route(self, prompt_ids: list[int], exclude: set[str], resume: bool) -> Route:
+    async def route(
+        self, prompt_ids: list[int], exclude: set[str], resume: bool, priority: int = 0
+    ) -> Route:
         """Place an attempt, decide where its prompt is prefilled, reserve that queue.
 
         Raises:
-            Overloaded: every option's queue is past `max_prefill_queue_s` (never for a
-                resumed stream: its client already has tokens).
+            Overloaded: every option's queue is past `max_prefill_queue_s`, or the share
+                of it `priority` sees (priority.py; never for a resumed stream: its
+                client already has tokens).
         """
         placed = await self.place(prompt_ids, exclude)
-        decision = self._decide(placed, resume)
+        bound = prefill_queue_bound_s(self.config, priority)
+        decision = self._decide(placed, resume, bound)
         if decision is None:  # colocated: D prefills, nothing to decide
             return Route(placed, None, None)
         self.metrics.disagg_decisions.labels(decision.where, decision.reason).inc()
         if decision.where == "shed":
-            bound = self.config.max_prefill_queue_s
             raise Overloaded(
                 f"the cluster is past its prefill capacity: every worker that could "
                 f"prefill this prompt has more than {bound:g}s of work queued; retry later",
@@ -288,7 +292,7 @@ class RouterCore:
         return route
 
     async def _traced_route(
-        self, span: Span, prompt_ids: list[int], exclude: set[str], attempt: int
+        self, span: Span, prompt_ids: list[int], exclude: set[str], attempt: int, priority: int
     ) -> Route:
         """`route`, as a placement span (child of the request's `span`)."""
         assert self.tracer is not None
@@ -296,7 +300,7 @@ class RouterCore:
             self.tracer, "pdserve.placement", span, attributes={"pdserve.attempt": attempt}
         )
         try:
-            route = await self.route(prompt_ids, exclude, resume=attempt > 0)
+            route = await self.route(prompt_ids, exclude, attempt > 0, priority)
         except BaseException as exc:
             tracing.fail(s, exc)
             s.end()
@@ -315,14 +319,16 @@ class RouterCore:
         s.end()
         return route
 
-    def _decide(self, placed: Placed, resume: bool) -> Decision | None:
+    def _decide(self, placed: Placed, resume: bool, bound_s: float) -> Decision | None:
         if self.prefill is None:
             return None
         if resume:  # the tokens so far are known: D prefills them
             return Decision("local", "resume")
         if not placed.indexed:  # Serve picks both; the split still happens
             return Decision("remote", "unplaced")
-        return decide(self.config, placed.remote, placed.local, placed.decode_running)
+        return decide(
+            self.config, placed.remote, placed.local, placed.decode_running, max_queue_s=bound_s
+        )
 
     async def start(
         self,
@@ -397,9 +403,13 @@ class RouterCore:
                 attempt_params = params
             attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
             if span is None:
-                route = await self.route(prompt_ids + generated, failed, resume=attempt > 0)
+                route = await self.route(
+                    prompt_ids + generated, failed, attempt > 0, params.priority
+                )
             else:
-                route = await self._traced_route(span, prompt_ids + generated, failed, attempt)
+                route = await self._traced_route(
+                    span, prompt_ids + generated, failed, attempt, params.priority
+                )
             try:
                 if announce and attempt == 0:
                     yield {"type": "placed"}

@@ -169,6 +169,12 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        self.shed = Counter(
+            "pdserve_router_shed_requests",
+            "Requests refused with 429 past a limit, by priority and which limit (priority.py)",
+            ["priority", "reason"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "pdserve_router_inflight_requests",
             "Requests this router replica admitted and has not finished",
