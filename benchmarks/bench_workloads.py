@@ -42,6 +42,7 @@ class RequestSpec:
     output_len: int
     kind: str = ""
     arrival_s: float | None = None
+    priority: int | None = None  # the request's `priority` field (None: not sent)
 
     @property
     def prompt_len(self) -> int | None:
