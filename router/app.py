@@ -7,8 +7,9 @@ validates limits, then hands the token ids to `RouterCore`; workers never re-tok
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for bad
 input, 404 for an unknown model, 503 when no worker could serve the request.
 
-Extensions beyond OpenAI's schema: `top_k`, `ignore_eos`, `stop_token_ids`, and
-`return_token_ids` (each choice then carries `token_ids`, the response `prompt_token_ids`).
+Extensions beyond OpenAI's schema: `top_k`, `ignore_eos`, `stop_token_ids`,
+`return_token_ids` (each choice then carries `token_ids`, the response `prompt_token_ids`),
+and `priority` (larger is more important; shed and scheduled by it, see priority.py).
 """
 
 # NOTE: no `from __future__ import annotations` here: FastAPI must see `Request` as a
