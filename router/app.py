@@ -163,6 +163,7 @@ class _Request:
 
 
 POOL_HEALTH_TIMEOUT_S = 2.0  # per pool, when /health must ask the pools directly
+READ_TURN_TIMEOUT_S = 1.0  # the longest a request waits for its turn to read its body
 
 
 async def pools_health(core: RouterCore, index_error: str) -> JSONResponse:
@@ -393,10 +394,23 @@ class Router:
         """Authorize, read the body within its size bound; return the body and the API
         key's defaults. The in-flight slot is taken once the body says the request's
         priority (`_take_slot`). As many bodies as slots are read at once, more wait their
-        turn: a 429 here could not tell an important request from another."""
+        turn (a 429 here could not tell an important request from another), for at most
+        READ_TURN_TIMEOUT_S: bodies that do not come (slow clients) never hang the rest."""
         defaults = self._authorize(request)
-        async with self._reading:
+        try:
+            async with asyncio.timeout(READ_TURN_TIMEOUT_S):
+                await self._reading.acquire()
+        except TimeoutError:
+            raise ProtocolError(
+                f"the router is reading {self.config.max_inflight_requests} request bodies, "
+                "its limit; retry later",
+                status_code=429,
+                code="overloaded",
+            ) from None
+        try:
             return await self._read_body(request), defaults
+        finally:
+            self._reading.release()
 
     def _take_slot(self, r: _Request) -> None:
         """Settle `r`'s priority (its own, else its API key's default) and take an

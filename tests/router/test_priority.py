@@ -24,6 +24,7 @@ from starlette.responses import Response
 
 from pdserve.cluster.config import APIKeyDefaults, ClusterConfig
 from pdserve.deploy.redis_server import EmbeddedRedis
+from pdserve.router import app
 from pdserve.router.app import Router
 from pdserve.router.priority import inflight_limit, limit_fraction, prefill_queue_bound_s
 
@@ -56,9 +57,11 @@ def make_router(model_dir: Path, redis_url: str, **config: Any) -> Any:
     return router
 
 
-async def call(router: Any, priority: int | None, key: str = KEY) -> Response:
+async def call(
+    router: Any, priority: int | None, key: str = KEY, body_sent: asyncio.Event | None = None
+) -> Response:
     """POST one streamed completion; its body arrives after a yield to the loop (so a
-    flood's requests interleave while their bodies are read)."""
+    flood's requests interleave while their bodies are read), or once `body_sent` is set."""
     fields: dict[str, Any] = {"model": router.config.model_id, "prompt": "hi", "stream": True}
     if priority is not None:
         fields["priority"] = priority
@@ -66,6 +69,8 @@ async def call(router: Any, priority: int | None, key: str = KEY) -> Response:
 
     async def receive() -> dict[str, Any]:
         await asyncio.sleep(0)
+        if body_sent is not None:
+            await body_sent.wait()
         return {"type": "http.request", "body": body, "more_body": False}
 
     scope = {
@@ -201,3 +206,31 @@ def test_limits_by_priority() -> None:
     assert [prefill_queue_bound_s(cfg, p) for p in (0, 5)] == [3.0, 4.0]
     tiny = cfg.model_copy(update={"max_inflight_requests": 1, "priority_headroom": 0.9})
     assert inflight_limit(tiny, 0) == 1  # every priority is served when idle
+
+
+def test_bodies_that_do_not_come_never_hang_the_others(
+    random_model_dir: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As many bodies as slots are read at once; past that a request waits its turn for
+    READ_TURN_TIMEOUT_S at most, then gets 429 (never a hang behind slow clients)."""
+    monkeypatch.setattr(app, "READ_TURN_TIMEOUT_S", 0.05)
+
+    async def main() -> None:
+        router = make_router(random_model_dir, redis_url)
+        body_sent = asyncio.Event()
+        slow = [asyncio.create_task(call(router, 10, body_sent=body_sent)) for _ in range(LIMIT)]
+        for _ in range(100):  # each takes its turn to read at its first step
+            if router._reading.locked():
+                break
+            await asyncio.sleep(0)
+        refused = await call(router, 10)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert "reading 10 request bodies" in bytes(refused.body).decode()
+        body_sent.set()
+        responses = await asyncio.gather(*slow)
+        assert [r.status_code for r in responses] == [200] * LIMIT
+        for response in responses:
+            await release(response)
+        assert router._inflight == 0 and not router._reading.locked()
+
+    asyncio.run(main())
