@@ -1,7 +1,12 @@
 """`pdserve bench --priority-mix`: a flood mixing priorities, reported per priority.
 
-    pdserve bench --priority-mix 0:0.8,10:0.2 --rate 40 --num-requests 400 \\
+    pdserve bench --priority-mix 0:0.8,10:0.2 --rate 30 --num-requests 400 \\
         [--start-cluster [--model DIR] [--up-flags "..."]] [--url URL] [--out DIR]
+
+    # a flood that queues on 2 CPU cores: 512-token prompts at 30 req/s
+    pdserve bench --priority-mix 0:0.8,10:0.2 --start-cluster --workload mixed \\
+        --long-fraction 1 --long-prompt-len 512 --short-output-len 8 --rate 30 \\
+        --num-requests 400
 
 Each request of the workload (`--workload`, default shared-prefix) gets a priority
 drawn from the mix (`PRIORITY:WEIGHT,...`, seeded by `--seed`) and is sent with it in
