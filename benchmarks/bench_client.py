@@ -85,7 +85,7 @@ class _StreamError(Exception):
 
 
 def request_body(model_id: str, spec: RequestSpec) -> dict[str, Any]:
-    return {
+    body = {
         "model": model_id,
         "prompt": spec.prompt,
         "max_tokens": spec.output_len,
@@ -94,6 +94,9 @@ def request_body(model_id: str, spec: RequestSpec) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
+    if spec.priority is not None:  # pdserve's and vLLM's extension (orders differ)
+        body["priority"] = spec.priority
+    return body
 
 
 def _tokens_in(chunk: dict[str, Any]) -> int:

@@ -44,6 +44,7 @@ class RequestSpec:
     kind: str = ""
     arrival_s: float | None = None
     repeat_of: int | None = None  # `with_repeats`: the index of the request it resends
+    priority: int | None = None  # the request's `priority` field (None: not sent)
 
     @property
     def prompt_len(self) -> int | None:

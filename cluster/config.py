@@ -178,7 +178,7 @@ class APIKeyDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    priority: int = 0
+    priority: int = Field(default=0, ge=-1000, le=1000)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
@@ -385,6 +385,12 @@ class ClusterConfig(BaseModel):
     result_cache_ttl_s: float | None = Field(default=None, gt=0)
     result_cache_max_entries: int = Field(default=10_000, ge=1)
     result_cache_max_entry_bytes: int = Field(default=1 << 20, ge=1024)
+    # Shedding by priority (router/priority.py): this fraction of max_inflight_requests
+    # and of max_prefill_queue_s is kept for requests of priority >= priority_reserved_min;
+    # lower ones are shed once the load passes the rest, so an important request is never
+    # shed while a less important one is admitted. 0: one limit for every priority.
+    priority_headroom: float = Field(default=0.0, ge=0, lt=1)
+    priority_reserved_min: int = Field(default=1, ge=-1000, le=1000)
 
     # Leases and deadlines (docs/kv-handoff.md).
     worker_lease_s: float = Field(default=10.0, gt=0)

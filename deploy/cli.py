@@ -185,6 +185,8 @@ def _up(args: argparse.Namespace) -> int:
         result_cache_ttl_s=args.result_cache_ttl_s,
         result_cache_max_entries=args.result_cache_max_entries,
         result_cache_max_entry_bytes=args.result_cache_max_entry_bytes,
+        priority_headroom=args.priority_headroom,
+        priority_reserved_min=args.priority_reserved_min,
         prefill_cpus=args.prefill_cpus,
         decode_cpus=args.decode_cpus,
         routes=_routes_file(args.routes_file),
@@ -324,6 +326,10 @@ def _bench(args: argparse.Namespace) -> int:
         from pdserve.benchmarks.compare import compare_from_args
 
         return compare_from_args(args)
+    if args.priority_mix:
+        from pdserve.benchmarks.priority_mix import run_priority_mix
+
+        return run_priority_mix(args)
     from pdserve.benchmarks.bench_cli import run_from_args
 
     return run_from_args(args)
@@ -396,6 +402,16 @@ def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--compare-only", action="append", choices=["mixed", "shared-prefix"], default=None
     )
     cmp.add_argument("--transport", choices=["grpc", "ucx"], default="grpc", help="KV transport")
+    prio = bench.add_argument_group("--priority-mix: a flood mixing priorities, per priority")
+    prio.add_argument(
+        "--priority-mix",
+        default=None,
+        help="PRIORITY:WEIGHT,... e.g. 0:0.8,10:0.2 (larger = more important); one --rate",
+    )
+    prio.add_argument(
+        "--start-cluster", action="store_true", help="start one here (--model, --up-flags)"
+    )
+    prio.add_argument("--up-flags", default="", help="more `pdserve up` flags (--start-cluster)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 
@@ -631,6 +647,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1 << 20,
         help="a larger result is not cached",
     )
+    up.add_argument(
+        "--priority-headroom",
+        type=float,
+        default=0.0,
+        help="fraction of the router's limits kept for priorities >= --priority-reserved-min "
+        "(larger priority = more important); 0: one limit for every priority",
+    )
+    up.add_argument("--priority-reserved-min", type=int, default=1)
     up.add_argument("--prefill-cpus", default=None, help="pin prefill replicas to these CPUs")
     up.add_argument("--decode-cpus", default=None, help="pin decode replicas to these CPUs")
     up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")

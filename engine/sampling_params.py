@@ -22,6 +22,11 @@ class SamplingParams:
     temperature 0 means greedy. `top_k` 0 (or -1) and `top_p` 1 disable those filters.
     A `seed` makes the request's tokens depend only on the seed, never on which other
     requests share its batch. `stop` strings end generation and are not emitted.
+
+    `priority` is not about sampling: it orders the engine's waiting queue and picks
+    preemption victims (larger is more important, unlike vLLM where smaller goes first;
+    see `scheduler.py`). It rides here because these parameters already travel with the
+    request to every worker, prefill and decode alike.
     """
 
     max_tokens: int = 16
@@ -38,6 +43,7 @@ class SamplingParams:
     # (engine/hashing.py). It rides here because these params reach every engine that
     # hashes the request's blocks (router, prefill and decode workers, resumes).
     cache_salt: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers; store tuples (frozen, hashable).

@@ -1,11 +1,18 @@
 """Continuous batching with iteration-level scheduling (plain Python).
 
 Each step gets a token budget. Running sequences go first (a decode token each, or the
-next chunk of a prefill); then waiting ones are admitted in arrival order, reusing
-their longest cached prefix, while budget, sequence slots and KV blocks last. When a
-running sequence needs a block and none is free, the most recently admitted one is
-preempted: its blocks are freed and it waits to be recomputed from its tokens so far,
-so it later finishes with exactly the tokens it would have produced anyway.
+next chunk of a prefill); then waiting ones are admitted in order, reusing their longest
+cached prefix, while budget, sequence slots and KV blocks last. When a running sequence
+needs a block and none is free, another is preempted: its blocks are freed and it waits
+to be recomputed from its tokens so far, so it later finishes with exactly the tokens it
+would have produced anyway.
+
+Priorities (`SamplingParams.priority`, larger is more important: the opposite of vLLM,
+where smaller goes first): the waiting queue is ordered by priority, then arrival (a
+preempted sequence goes back ahead of the waiting ones of its priority), and the running
+list by priority, then admission, so each step serves the most important first and a
+preemption takes the least important, most recently admitted sequence. With one
+priority throughout this is plain arrival order and newest-first preemption.
 
 With a step-time target (`SchedulerLimits.step_time_target_s`) and a cost model, a step
 that has decode rows takes only as many prefill tokens (new prompts, chunks of long ones,
@@ -166,6 +173,10 @@ class _PrefillCap:
         return predicted is None or predicted <= self.target_s
 
 
+def _by_priority(seq: Sequence) -> int:
+    return -seq.params.priority
+
+
 class Scheduler:
     def __init__(
         self,
@@ -190,11 +201,35 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """Put `seq` in the waiting queue, after the ones of higher priority and before
+        those of lower; among its equals last (a new request) or first (`front`: a
+        preempted one, which arrived before them)."""
+        waiting, priority = self.waiting, seq.params.priority
+        if front and (not waiting or waiting[0].params.priority <= priority):
+            waiting.appendleft(seq)
+        elif not front and (not waiting or waiting[-1].params.priority >= priority):
+            waiting.append(seq)
+        else:  # mixed priorities: find its place (the queue is short next to a step)
+            at = next(
+                (
+                    i
+                    for i, other in enumerate(waiting)
+                    if other.params.priority < priority
+                    or (front and other.params.priority == priority)
+                ),
+                len(waiting),
+            )
+            waiting.insert(at, seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.limits.max_num_batched_tokens
+        # most important first, admission order among equals (a stable sort): the step
+        # serves them in that order and preemption takes victims from the end
+        self.running.sort(key=_by_priority)
         cap = self._prefill_cap()
         budget = self._schedule_running(out, budget, cap)
         if self.proposer is not None and not out.preempted:
@@ -362,6 +397,8 @@ class Scheduler:
         return budget
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        # the running list is sorted by priority: its last is the least important (the
+        # latest admitted among equals), and none left is more important than `seq`
         while not self.kv.allocate_slots(seq, num_new):
             victim = self.running.pop() if self.running else seq
             self._preempt(victim)
@@ -375,7 +412,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, cap: _PrefillCap | None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:

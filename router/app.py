@@ -7,13 +7,15 @@ validates limits, then hands the token ids to `RouterCore`; workers never re-tok
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for bad
 input, 404 for an unknown model, 503 when no worker could serve the request.
 
-Extensions beyond OpenAI's schema: `top_k`, `ignore_eos`, `stop_token_ids`, and
-`return_token_ids` (each choice then carries `token_ids`, the response `prompt_token_ids`).
+Extensions beyond OpenAI's schema: `top_k`, `ignore_eos`, `stop_token_ids`,
+`return_token_ids` (each choice then carries `token_ids`, the response `prompt_token_ids`),
+and `priority` (larger is more important; shed and scheduled by it, see priority.py).
 """
 
 # NOTE: no `from __future__ import annotations` here: FastAPI must see `Request` as a
 # class, not a string, in methods that Ray Serve's ingress re-binds.
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -40,6 +42,7 @@ from pdserve.router.core import Overloaded, RouterCore, UpstreamError
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.models import ServedModel, served_models
 from pdserve.router.prefix_cache import with_default_salt
+from pdserve.router.priority import inflight_limit
 from pdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -167,6 +170,7 @@ def _hit(r: _Request) -> bool:
 
 
 POOL_HEALTH_TIMEOUT_S = 2.0  # per pool, when /health must ask the pools directly
+READ_TURN_TIMEOUT_S = 1.0  # the longest a request waits for its turn to read its body
 
 
 async def pools_health(core: RouterCore, index_error: str) -> JSONResponse:
@@ -217,6 +221,8 @@ class Router:
         self._api_keys = [key.encode() for key in cfg.api_keys]
         self._key_defaults = {k.encode(): v for k, v in cfg.api_key_defaults.items()}
         self._inflight = 0  # requests admitted and not yet finished, this replica
+        # bodies read at once (a bound on their memory), before a request takes a slot
+        self._reading = asyncio.Semaphore(cfg.max_inflight_requests)
         self.router_metrics.inflight.set_function(lambda: self._inflight)
         # one result cache per model: each keys on its own model's identity
         self.result_caches = {
@@ -359,21 +365,22 @@ class Router:
     ) -> Response:
         endpoint = "completions" if kind == "completion" else "chat"
         try:
-            # from here on, this request holds a slot
             body, key_defaults = await self._admit(request)
         except ProtocolError as exc:
             self._unrouted.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
+        parsed: _Request | None = None
         try:
             if kind == "completion":
-                r = self._parse_completion(body, arrival)
+                r = parsed = self._parse_completion(body, arrival)
             else:
-                r = self._parse_chat(body, arrival)
+                r = parsed = self._parse_chat(body, arrival)
+            r.key_defaults = key_defaults
+            self._take_slot(r)  # from here on, this request holds a slot
         except ProtocolError as exc:
-            self._release()
-            self._unrouted.requests.labels(endpoint, str(exc.status_code)).inc()
+            metrics = parsed.served.core.metrics if parsed is not None else self._unrouted
+            metrics.requests.labels(endpoint, str(exc.status_code)).inc()
             return _error(exc)
-        r.key_defaults = key_defaults
         r.params = with_default_salt(r.params, key_defaults.cache_salt)
         result_cache = self.result_caches[r.served.model_id]
         if result_cache is not None:  # the salt is in the params, hence in the key
@@ -443,23 +450,44 @@ class Router:
         )
 
     async def _admit(self, request: Request) -> tuple[bytes, APIKeyDefaults]:
-        """Authorize, bound the in-flight load and the body size; return the body and
-        the API key's defaults."""
+        """Authorize, read the body within its size bound; return the body and the API
+        key's defaults. The in-flight slot is taken once the body says the request's
+        priority (`_take_slot`). As many bodies as slots are read at once, more wait their
+        turn (a 429 here could not tell an important request from another), for at most
+        READ_TURN_TIMEOUT_S: bodies that do not come (slow clients) never hang the rest."""
         defaults = self._authorize(request)
-        if self._inflight >= self.config.max_inflight_requests:
+        try:
+            async with asyncio.timeout(READ_TURN_TIMEOUT_S):
+                await self._reading.acquire()
+        except TimeoutError:
             raise ProtocolError(
-                f"the router is at its limit of {self.config.max_inflight_requests} "
-                "requests in flight; retry later",
+                f"the router is reading {self.config.max_inflight_requests} request bodies, "
+                "its limit; retry later",
+                status_code=429,
+                code="overloaded",
+            ) from None
+        try:
+            return await self._read_body(request), defaults
+        finally:
+            self._reading.release()
+
+    def _take_slot(self, r: _Request) -> None:
+        """Settle `r`'s priority (its own, else its API key's default) and take an
+        in-flight slot, or raise 429 past the limit that priority sees (priority.py:
+        lower priorities may be kept out of a reserved headroom)."""
+        priority = r.req.priority if r.req.priority is not None else r.key_defaults.priority
+        if priority != r.params.priority:
+            r.params = dataclasses.replace(r.params, priority=priority)
+        limit = inflight_limit(self.config, priority)
+        if self._inflight >= limit:
+            r.served.core.metrics.shed.labels(str(priority), "inflight").inc()
+            raise ProtocolError(
+                f"the router is at its limit of {limit} requests in flight for priority "
+                f"{priority}; retry later",
                 status_code=429,
                 code="overloaded",
             )
-        # Taken before the first await: the check and the increment must not be split.
-        self._inflight += 1
-        try:
-            return await self._read_body(request), defaults
-        except BaseException:
-            self._inflight -= 1
-            raise
+        self._inflight += 1  # no await since the check: the two are not split
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -499,6 +527,7 @@ class Router:
                     items = cache.record(r.cache, items)
         except Overloaded as exc:
             self._release()
+            r.served.core.metrics.shed.labels(str(r.params.priority), "prefill_queue").inc()
             endpoint = "completions" if r.kind == "completion" else "chat"
             r.served.core.metrics.requests.labels(endpoint, "429").inc()
             shed = ProtocolError(str(exc), status_code=429, code="overloaded")

@@ -50,6 +50,7 @@ from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Choice, Placer, decode_running, queued_tokens
 from pdserve.router.prefix_cache import CachedTokens
+from pdserve.router.priority import prefill_queue_bound_s
 
 logger = logging.getLogger(__name__)
 
@@ -270,21 +271,27 @@ class RouterCore:
         return Placed(prefill, decode, True, remote, local, running)
 
     async def route(
-        self, prompt_ids: list[int], exclude: set[str], resume: bool, cache_salt: str | None = None
+        self,
+        prompt_ids: list[int],
+        exclude: set[str],
+        resume: bool,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Route:
         """Place an attempt, decide where its prompt is prefilled, reserve that queue.
 
         Raises:
-            Overloaded: every option's queue is past `max_prefill_queue_s` (never for a
-                resumed stream: its client already has tokens).
+            Overloaded: every option's queue is past `max_prefill_queue_s`, or the share
+                of it `priority` sees (priority.py; never for a resumed stream: its
+                client already has tokens).
         """
         placed = await self.place(prompt_ids, exclude, cache_salt)
-        decision = self._decide(placed, resume)
+        bound = prefill_queue_bound_s(self.config, priority)
+        decision = self._decide(placed, resume, bound)
         if decision is None:  # colocated: D prefills, nothing to decide
             return Route(placed, None, None)
         self.metrics.disagg_decisions.labels(decision.where, decision.reason).inc()
         if decision.where == "shed":
-            bound = self.config.max_prefill_queue_s
             raise Overloaded(
                 f"the cluster is past its prefill capacity: every worker that could "
                 f"prefill this prompt has more than {bound:g}s of work queued; retry later",
@@ -306,6 +313,7 @@ class RouterCore:
         exclude: set[str],
         attempt: int,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Route:
         """`route`, as a placement span (child of the request's `span`)."""
         assert self.tracer is not None
@@ -313,7 +321,7 @@ class RouterCore:
             self.tracer, "pdserve.placement", span, attributes={"pdserve.attempt": attempt}
         )
         try:
-            route = await self.route(prompt_ids, exclude, attempt > 0, cache_salt)
+            route = await self.route(prompt_ids, exclude, attempt > 0, cache_salt, priority)
         except BaseException as exc:
             tracing.fail(s, exc)
             s.end()
@@ -332,14 +340,16 @@ class RouterCore:
         s.end()
         return route
 
-    def _decide(self, placed: Placed, resume: bool) -> Decision | None:
+    def _decide(self, placed: Placed, resume: bool, bound_s: float) -> Decision | None:
         if self.prefill is None:
             return None
         if resume:  # the tokens so far are known: D prefills them
             return Decision("local", "resume")
         if not placed.indexed:  # Serve picks both; the split still happens
             return Decision("remote", "unplaced")
-        return decide(self.config, placed.remote, placed.local, placed.decode_running)
+        return decide(
+            self.config, placed.remote, placed.local, placed.decode_running, max_queue_s=bound_s
+        )
 
     async def start(
         self,
@@ -416,10 +426,12 @@ class RouterCore:
                 attempt_params = params
             attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
             if span is None:
-                route = await self.route(prompt_ids + generated, failed, attempt > 0, salt)
+                route = await self.route(
+                    prompt_ids + generated, failed, attempt > 0, salt, params.priority
+                )
             else:
                 route = await self._traced_route(
-                    span, prompt_ids + generated, failed, attempt, salt
+                    span, prompt_ids + generated, failed, attempt, salt, params.priority
                 )
             try:
                 if announce and attempt == 0:

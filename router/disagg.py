@@ -28,10 +28,11 @@ The rules, in order (`decide`), each a reason of `pdserve_disagg_decisions_total
 - `faster` (remote): otherwise.
 
 Admission: when every option's queue (seconds of work ahead of this prompt) is past
-`max_prefill_queue_s`, the request is shed (429, Retry-After: the excess). Only the queue
-counts, not the prompt's own compute, so a long prompt is never refused by an idle
-cluster. A remote request's KV wait on D is `kv_wait_factor` x the remote estimate +
-`kv_wait_floor_s`, at most `kv_wait_timeout_s`. Plain Python.
+`max_prefill_queue_s` (a lower priority's share of it, priority.py), the request is shed
+(429, Retry-After: the excess). Only the queue counts, not the prompt's own compute, so
+a long prompt is never refused by an idle cluster. A remote request's KV wait on D is
+`kv_wait_factor` x the remote estimate + `kv_wait_floor_s`, at most `kv_wait_timeout_s`.
+Plain Python.
 """
 
 from __future__ import annotations
@@ -101,19 +102,22 @@ def decide(
     remote: Option | None,
     local: Option | None,
     decode_running: int,
+    max_queue_s: float | None = None,
 ) -> Decision:
     """Where to prefill (see the module's rules), or shed past capacity.
 
     remote: the chosen prefill worker (None: no prefill worker is live); local: the
     chosen decode worker (None: placement chose none, Serve picks it); decode_running:
-    sequences D is decoding.
+    sequences D is decoding; max_queue_s: the shedding bound for this request's
+    priority (priority.py; None: `max_prefill_queue_s`).
     """
+    bound = config.max_prefill_queue_s if max_queue_s is None else max_queue_s
     if remote is None:
         return Decision("local", "no_prefill_worker", local.seconds if local else None)
     if local is None:
         return Decision("remote", "unplaced", remote.seconds)
     if config.disagg_policy == "always":
-        return _admit(config, Decision("remote", "always", remote.seconds), [remote])
+        return _admit(Decision("remote", "always", remote.seconds), [remote], bound)
     remote_s, local_s = remote.seconds, local.seconds
     if local.uncached_tokens <= config.local_prefill_max_tokens and not (
         remote_s is not None and local_s is not None and local_s > remote_s
@@ -132,19 +136,19 @@ def decide(
         choice = Decision("local", "prefill_saturated", local_s)
     else:
         choice = Decision("remote", "faster", remote_s)
-    return _admit(config, choice, [remote, local])
+    return _admit(choice, [remote, local], bound)
 
 
 def _past(queue_s: float | None, config: ClusterConfig) -> bool:
     return queue_s is not None and queue_s > config.max_prefill_queue_s
 
 
-def _admit(config: ClusterConfig, choice: Decision, options: list[Option]) -> Decision:
-    """`choice`, or a shed decision when every option's queue is past the bound."""
+def _admit(choice: Decision, options: list[Option], bound_s: float) -> Decision:
+    """`choice`, or a shed decision when every option's queue is past `bound_s`."""
     waits = [o.queue_s for o in options]
-    if not all(_past(w, config) for w in waits):
+    if not all(w is not None and w > bound_s for w in waits):
         return choice
-    excess = min(w for w in waits if w is not None) - config.max_prefill_queue_s
+    excess = min(w for w in waits if w is not None) - bound_s
     return Decision("shed", "over_capacity", choice.estimate_s, excess)
 
 

@@ -121,6 +121,7 @@ class ModelMetrics:
         self.disagg_decisions = _Partial(p.disagg_decisions, model)
         self.placements = _Partial(p.placements, model)
         self.placement_overrides = _Partial(p.placement_overrides, model)
+        self.shed = _Partial(p.shed, model)
         self.result_cache_hits = p.result_cache_hits.labels(model)
         self.result_cache_misses = p.result_cache_misses.labels(model)
         self.result_cache_errors = p.result_cache_errors.labels(model)
@@ -275,6 +276,12 @@ class RouterMetrics:
             "pdserve_result_cache_stored_bytes",
             "Bytes of results stored in the result cache",
             ["model"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "pdserve_router_shed_requests",
+            "Requests refused with 429 past a limit, by priority and which limit (priority.py)",
+            ["model", "priority", "reason"],
             registry=r,
         )
         self.inflight = Gauge(

@@ -12,7 +12,8 @@ of either); chat messages with string content or text parts; temperature, top_p,
 stop, max_tokens / max_completion_tokens, logprobs, streaming with
 ``stream_options.include_usage``. Extensions (as in vLLM): top_k, stop_token_ids,
 ignore_eos, return_token_ids, add_generation_prompt, cache_salt (the prompt's prefix-cache
-namespace: router/prefix_cache.py).
+namespace: router/prefix_cache.py), priority (but larger is more important here, the
+opposite of vLLM's order).
 
 A request never silently loses meaning: every field that would change what the output
 is or means, and that the router does not implement, gets a 400 naming it (``param``),
@@ -80,6 +81,7 @@ __all__ = [
 ]
 
 MAX_CHAT_MESSAGES = 1024
+MAX_PRIORITY = 1000  # `priority` lies in [-MAX_PRIORITY, MAX_PRIORITY] (a metric label)
 # Below this a temperature means greedy, as in vLLM (`_SAMPLING_EPS`): the sampler divides
 # float32 logits by it, and temperature=1e-300 (0 in float32) made inf/NaN probabilities.
 _GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -236,6 +238,13 @@ class _SamplingRequest(BaseModel):
     # (top_k=2**70) raised inside the engine's step, closing the worker's engine (503s for
     # every request there until Serve's health check replaced the replica).
     top_k: Int64 | None = Field(0, ge=-1, description="Extension: 0 or -1 disables top-k.")
+    priority: int | None = Field(
+        None,
+        ge=-MAX_PRIORITY,
+        le=MAX_PRIORITY,
+        description="Extension: scheduling and shedding priority, LARGER is MORE important "
+        "(unlike vLLM, where smaller goes first); null: the API key's default, else 0.",
+    )
     seed: Int64 | None = None
     stop: Stop | None = None
     stop_token_ids: list[TokenId] | None = Field(None, description="Extension.")
@@ -620,6 +629,7 @@ def to_sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=_logprobs(req),
             cache_salt=req.cache_salt,
+            priority=req.priority or 0,
         )
     except ValueError as exc:  # InvalidRequestError is a ValueError
         field = str(exc).split(" ", 1)[0]

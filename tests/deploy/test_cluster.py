@@ -51,10 +51,12 @@ CLUSTERS = {
         *("--prefill-cpus", str(min(os.sched_getaffinity(0)))),
         *("--decode-cpus", str(max(os.sched_getaffinity(0)))),
     ),
-    # Router limits, small enough to hit: 40 requests in flight, 64 KiB bodies.
+    # Router limits, small enough to hit: 40 requests in flight (32 below priority 1),
+    # 64 KiB bodies.
     "disagg-ucx": (
         *("--mode", "disagg", "--transport", "ucx", "--speculative", SPEC),
         *("--max-inflight-requests", "40", "--max-body-bytes", "65536"),
+        *("--priority-headroom", "0.2"),
     ),
 }
 API_KEY = "sk-test-0123456789"
@@ -677,14 +679,14 @@ def test_past_its_limits_the_router_sheds_load_with_429_and_413(cluster: tuple[s
         c.completions.create(model=model, prompt="x " * 40_000, max_tokens=1)
     assert info.value.status_code == 413
 
-    async def one(ac: openai.AsyncOpenAI) -> str:
+    async def one(ac: openai.AsyncOpenAI, priority: int) -> str:
         try:
             stream = await ac.completions.create(
                 model=model,
                 prompt="The river",
                 max_tokens=64,
                 stream=True,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
+                extra_body={"ignore_eos": True, "return_token_ids": True, "priority": priority},
             )
             # tokens, not chunks: a stream that falls behind carries several per chunk
             n = sum([len(ch.choices[0].token_ids) async for ch in stream])  # type: ignore[attr-defined]
@@ -693,34 +695,46 @@ def test_past_its_limits_the_router_sheds_load_with_429_and_413(cluster: tuple[s
             assert exc.response.headers["retry-after"] == "1"
             return "429"
 
+    # Priorities: every 10th request of the flood is important (10). Below priority 1 at
+    # most 32 requests are admitted (--priority-headroom 0.2), so the 8 important ones
+    # always find a slot of the 40: none is shed, while low ones are admitted and shed.
+    priorities = [10 if i % 10 == 0 else 0 for i in range(80)]
+
     async def flood() -> list[str]:
         ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
         try:
-            return list(await asyncio.gather(*(one(ac) for _ in range(80))))
+            return list(await asyncio.gather(*(one(ac, p) for p in priorities)))
         finally:
             await ac.close()
 
+    shed_before = metric(url, "pdserve_router_shed_requests_total", priority="0", reason="inflight")
     outcomes = asyncio.run(flood())
-    assert set(outcomes) == {"ok", "429"}, outcomes
-    assert 0 < outcomes.count("ok") <= 80
+    low = [o for o, p in zip(outcomes, priorities, strict=True) if p == 0]
+    high = [o for o, p in zip(outcomes, priorities, strict=True) if p == 10]
+    assert set(low) == {"ok", "429"}, outcomes
+    assert high == ["ok"] * 8, outcomes
+    shed = metric(url, "pdserve_router_shed_requests_total", priority="0", reason="inflight")
+    assert shed - shed_before == low.count("429")
+    assert not metric(url, "pdserve_router_shed_requests_total", priority="10", reason="inflight")
     # Every slot comes back (a stream's slot is freed just after its last byte is sent,
-    # so the client may see the end first: a bounded wait), then 40 are admitted again.
+    # so the client may see the end first: a bounded wait), then 40 are admitted again
+    # (important ones: the whole limit) and 32 of the default priority.
     deadline = time.monotonic() + 10.0
     while metric(url, "pdserve_router_inflight_requests") and time.monotonic() < deadline:
         pass
     assert metric(url, "pdserve_router_inflight_requests") == 0
-    assert asyncio.run(_n_ok(url, model, 40)) == 40
+    assert asyncio.run(_n_ok(url, model, 40, priority=10)) == 40
+    assert asyncio.run(_n_ok(url, model, 32)) == 32
     assert_workers_idle(url)
 
 
-async def _n_ok(url: str, model: str, n: int) -> int:
+async def _n_ok(url: str, model: str, n: int, priority: int = 0) -> int:
     ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    extra = {"ignore_eos": True, "priority": priority}
     try:
         outs = await asyncio.gather(
             *(
-                ac.completions.create(
-                    model=model, prompt="x", max_tokens=2, extra_body={"ignore_eos": True}
-                )
+                ac.completions.create(model=model, prompt="x", max_tokens=2, extra_body=extra)
                 for _ in range(n)
             )
         )

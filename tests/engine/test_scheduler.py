@@ -23,8 +23,8 @@ def make_scheduler(
     return Scheduler(KVCacheManager(pool, BLOCK), limits)
 
 
-def make_seq(rid: str, prompt: list[int], max_tokens: int = 8) -> Sequence:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+def make_seq(rid: str, prompt: list[int], max_tokens: int = 8, priority: int = 0) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, priority=priority)
     return Sequence(rid, prompt, params, eos_token_ids=frozenset({0}), hash_namespace=NS)
 
 
@@ -103,6 +103,63 @@ def test_preemption_frees_the_newest_and_recomputes_it_later() -> None:
         run_step(sched)
     assert b.output_token_ids == [7] * 8
     sched.kv.pool.check_no_leaks()
+
+
+def test_a_later_more_important_request_is_admitted_first() -> None:
+    # larger priority is more important (vLLM's is the opposite); equals keep FIFO
+    sched = make_scheduler(max_seqs=2)
+    for rid, priority in [("low0", 0), ("low1", 0), ("neg", -5), ("high", 10), ("mid", 3)]:
+        sched.add(make_seq(rid, [1, 2, 3], priority=priority))
+    assert [s.request_id for s in sched.waiting] == ["high", "mid", "low0", "low1", "neg"]
+    assert [rid for rid, _, _ in planned(run_step(sched))] == ["high", "mid"]
+    assert [s.request_id for s in sched.waiting] == ["low0", "low1", "neg"]
+
+
+def test_equal_priorities_keep_arrival_order() -> None:
+    sched = make_scheduler(max_seqs=3)
+    for i in range(5):
+        sched.add(make_seq(f"s{i}", [i + 1, i + 2], priority=7))
+    assert [rid for rid, _, _ in planned(run_step(sched))] == ["s0", "s1", "s2"]
+
+
+def test_preemption_takes_the_least_important_sequence() -> None:
+    # the same squeeze as the newest-first test, but the newest is the important one:
+    # the older, low-priority sequence is preempted, and waits behind the important one
+    sched = make_scheduler(num_blocks=4, budget=64)
+    low = make_seq("low", [1, 2, 3, 4, 5, 6], 8, priority=0)
+    high = make_seq("high", [9, 8, 7, 6, 5, 4], 8, priority=10)
+    sched.add(low)
+    sched.add(high)  # arrived later, admitted first
+    out = run_step(sched)
+    assert [s.seq.request_id for s in out.prefills] == ["high", "low"]
+    run_step(sched)
+    run_step(sched)
+    out = run_step(sched)  # high needs a third block: low goes, although admitted first
+    assert [s.request_id for s in out.preempted] == ["low"]
+    assert low.status is SequenceStatus.PREEMPTED and high.status is SequenceStatus.RUNNING
+    assert planned(out) == [("high", 8, 1)]
+    later = make_seq("later", [5, 5, 5], 2, priority=0)
+    sched.add(later)  # same priority as the preempted one: it queues behind it
+    assert [s.request_id for s in sched.waiting] == ["low", "later"]
+    while sched.has_unfinished:
+        run_step(sched)
+    assert high.num_preemptions == 0 and low.num_preemptions == 1
+    assert low.output_token_ids == [7] * 8  # recomputed, same tokens
+    sched.kv.pool.check_no_leaks()
+
+
+def test_a_preempted_sequence_waits_behind_more_important_ones() -> None:
+    sched = make_scheduler(num_blocks=4, budget=64)
+    a, b = make_seq("a", [1, 2, 3, 4, 5, 6], 8, 5), make_seq("b", [9, 8, 7, 6, 5, 4], 8, 5)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(3):
+        run_step(sched)
+    sched.add(make_seq("urgent", [3, 3], 1, priority=9))
+    sched.add(make_seq("minor", [4, 4], 1, priority=1))
+    out = run_step(sched)  # a needs a block: b (newest of the equals) is preempted
+    assert [s.request_id for s in out.preempted] == ["b"]
+    assert [s.request_id for s in sched.waiting] == ["urgent", "b", "minor"]
 
 
 def test_max_num_seqs_caps_the_running_batch() -> None:

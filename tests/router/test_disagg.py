@@ -16,6 +16,7 @@ from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
 from pdserve.cluster.rate_meter import RateMeter
 from pdserve.router.core import Placed, Route
 from pdserve.router.disagg import REASONS, Decision, Option, RateBook, decide, kv_wait_s
+from pdserve.router.priority import prefill_queue_bound_s
 
 RATE = 1000.0  # tokens per second, both sides unless a test says otherwise
 
@@ -111,6 +112,19 @@ def test_past_capacity_everywhere_the_request_is_shed() -> None:
     assert (d.where, d.retry_after_s) == ("shed", pytest.approx(0.5))
     # one option within the bound: served there
     assert decide(cfg, remote(queued=6000), local(queued=3000), 0).where == "local"
+
+
+def test_a_lower_priority_is_shed_at_its_share_of_the_queue_bound() -> None:
+    cfg = config(max_prefill_queue_s=4.0, priority_headroom=0.25)  # priority < 1: 3 s
+    queues = (remote(queued=3500), local(queued=3200))  # 3.5 s and 3.2 s
+    low = decide(cfg, *queues, 0, max_queue_s=prefill_queue_bound_s(cfg, 0))
+    high = decide(cfg, *queues, 0, max_queue_s=prefill_queue_bound_s(cfg, 10))
+    assert (low.where, low.retry_after_s) == ("shed", pytest.approx(0.2))
+    assert high.where == "local"  # D, the shorter queue
+    # past the whole bound both are shed; the default bound is the whole one
+    full = (remote(queued=4500), local(queued=4200))
+    assert decide(cfg, *full, 0, max_queue_s=prefill_queue_bound_s(cfg, 10)).where == "shed"
+    assert decide(cfg, *queues, 0).where == "local"
 
 
 def test_a_long_prompt_is_not_shed_by_an_idle_cluster() -> None:

@@ -166,6 +166,7 @@ USED = {
     "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "stream",
     "stream_options", "ignore_eos", "return_token_ids", "add_generation_prompt",
     "cache_salt",
+    "priority",
 }  # fmt: skip
 USED |= {"result_cache"}  # the result cache's per-request opt-out (router/result_cache.py)
 # Supported only at their no-op value; any other is a 400 naming the field.
@@ -433,6 +434,21 @@ def test_json_schema_documents_bounds() -> None:
     assert stop_list["maxItems"] == 16 and stop_list["items"]["maxLength"] == 256
     chat_props = ChatCompletionRequest.model_json_schema()["properties"]
     assert chat_props["messages"]["maxItems"] == 1024
+
+
+@pytest.mark.parametrize("make", [completion, chat], ids=["completion", "chat"])
+def test_priority_reaches_the_engine_and_is_bounded(make: Any) -> None:
+    assert to_sampling_params(make(), 3, MAX_MODEL_LEN).priority == 0
+    assert make().priority is None  # absent: the router applies the API key's default
+    for priority in (-1000, 0, 10, 1000):
+        assert to_sampling_params(make(priority=priority), 3, MAX_MODEL_LEN).priority == priority
+    for bad in (1001, -1001, 2**70, 1.5, "high"):
+        error = rejection(make, priority=bad)
+        assert (error.status_code, error.param) == (400, "priority"), bad
+    props = CompletionRequest.model_json_schema()["properties"]
+    bounds = _schema_of(props, "priority", "integer")
+    assert (bounds["minimum"], bounds["maximum"]) == (-1000, 1000)
+    assert "LARGER is MORE important" in props["priority"]["description"]
 
 
 def _schema_of(props: dict[str, Any], name: str, kind: str) -> dict[str, Any]:

@@ -126,14 +126,17 @@ def test_a_repeat_is_answered_from_the_cache_and_anything_changed_misses(
             "cache_salt": dataclasses.replace(GREEDY, cache_salt="tenant-b"),
         }
         names = {f.name for f in dataclasses.fields(SamplingParams)}
-        assert names <= set(changed) | {"seed", "temperature"}, "a field the test misses"
+        # priority orders the queues, never the tokens: the one field outside the key
+        assert names <= set(changed) | {"seed", "temperature", "priority"}, "a field missed"
+        urgent = plan(dataclasses.replace(GREEDY, priority=10))
+        assert await cache.replay(urgent) is not None, "a priority changed the key"
         for what, params in changed.items():
             p = plan(params)
             assert p.key is not None and await cache.replay(p) is None, what
             assert p.status == "miss", what
         assert await cache.replay(plan(prompt=[*PROMPT, 1])) is None
         assert await cache.replay(plan(salt="tenant-a")) is None
-        assert counted(cache, "pdserve_result_cache_hits_total") == 2
+        assert counted(cache, "pdserve_result_cache_hits_total") == 3
         assert counted(cache, "pdserve_result_cache_stores_total", result="stored") == 2
 
     asyncio.run(run())
