@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -40,6 +40,7 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.core import Overloaded, RouterCore, UpstreamError
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from pdserve.router.model_routing import RULE_HEADER, ModelRouter, Picked, RouteFacts
 from pdserve.router.models import ServedModel, served_models
 from pdserve.router.prefix_cache import with_default_salt
 from pdserve.router.priority import inflight_limit
@@ -49,6 +50,7 @@ from pdserve.router.protocol import (
     ProtocolError,
     check_model,
     parse_request,
+    requested_max_tokens,
     to_sampling_params,
 )
 from pdserve.router.result_cache import HEADER as RESULT_CACHE_HEADER
@@ -161,6 +163,7 @@ class _Request:
         self.span: Span | None = None  # the request's span when tracing is on
         self.key_defaults = _NO_DEFAULTS  # its API key's defaults (priority, cache_salt)
         self.served: ServedModel  # the model its `model` field named (set on parsing)
+        self.route: Picked | None = None  # the route rule that picked it, if one did
         self.cache: CachePlan | None = None  # the result cache's plan (when it is on)
         self.cached_tokens = 0  # prompt tokens a prefix cache served (router/prefix_cache.py)
 
@@ -221,6 +224,11 @@ class Router:
         self._api_keys = [key.encode() for key in cfg.api_keys]
         self._key_defaults = {k.encode(): v for k, v in cfg.api_key_defaults.items()}
         self._inflight = 0  # requests admitted and not yet finished, this replica
+        self.model_router = ModelRouter(cfg.routes)
+        for route in cfg.routes:  # every rule's series shows, at 0 until it is taken
+            for rule in route.rules:
+                self.router_metrics.route_decisions.labels(route.name, rule.name, rule.model)
+            self.router_metrics.route_decisions.labels(route.name, "default", route.default)
         # bodies read at once (a bound on their memory), before a request takes a slot
         self._reading = asyncio.Semaphore(cfg.max_inflight_requests)
         self.router_metrics.inflight.set_function(lambda: self._inflight)
@@ -321,6 +329,10 @@ class Router:
         except ProtocolError as exc:
             return _error(exc)
         cards = [served.card() for served in self.by_model.values()]
+        for route in self.config.routes:  # a routed name is a model id clients may send
+            targets = sorted({route.default, *(rule.model for rule in route.rules)})
+            card = {"id": route.name, "object": "model", "created": 0, "owned_by": "pdserve"}
+            cards.append({**card, "routes_to": targets})
         return JSONResponse({"object": "list", "data": cards})
 
     @api.post("/v1/completions")
@@ -372,9 +384,9 @@ class Router:
         parsed: _Request | None = None
         try:
             if kind == "completion":
-                r = parsed = self._parse_completion(body, arrival)
+                r = parsed = self._parse_completion(body, arrival, request.headers)
             else:
-                r = parsed = self._parse_chat(body, arrival)
+                r = parsed = self._parse_chat(body, arrival, request.headers)
             r.key_defaults = key_defaults
             self._take_slot(r)  # from here on, this request holds a slot
         except ProtocolError as exc:
@@ -399,30 +411,62 @@ class Router:
             )
         return await self._serve(r)
 
-    def _parse_completion(self, body: bytes, arrival: float) -> _Request:
+    def _parse_completion(
+        self, body: bytes, arrival: float, headers: Mapping[str, str]
+    ) -> _Request:
         req = parse_request(CompletionRequest, body)
-        served = self._served(req.model)
         prompt = req.prompt_input()
-        if isinstance(prompt, str):
-            ids = served.tokenizer.encode(prompt)
-        else:
-            ids = self._check_token_ids(served, prompt)
+
+        def tokenize(served: ServedModel) -> list[int]:
+            if isinstance(prompt, str):
+                return served.tokenizer.encode(prompt)
+            return self._check_token_ids(served, prompt)
+
+        served, route, ids = self._pick_model(req, headers, tokenize)
         params = to_sampling_params(req, len(ids), served.max_model_len)
         r = _Request("completion", req, ids, params, arrival)
-        r.served = served
+        r.served, r.route = served, route
         return r
 
-    def _parse_chat(self, body: bytes, arrival: float) -> _Request:
+    def _parse_chat(self, body: bytes, arrival: float, headers: Mapping[str, str]) -> _Request:
         req = parse_request(ChatCompletionRequest, body)
-        served = self._served(req.model)
-        try:
-            ids = served.tokenizer.encode_chat(req.chat_messages(), req.add_generation_prompt)
-        except InvalidRequestError as exc:
-            raise ProtocolError(str(exc), param="messages") from exc
+
+        def tokenize(served: ServedModel) -> list[int]:
+            try:
+                return served.tokenizer.encode_chat(req.chat_messages(), req.add_generation_prompt)
+            except InvalidRequestError as exc:
+                raise ProtocolError(str(exc), param="messages") from exc
+
+        served, route, ids = self._pick_model(req, headers, tokenize)
         params = to_sampling_params(req, len(ids), served.max_model_len)
         r = _Request("chat", req, ids, params, arrival)
-        r.served = served
+        r.served, r.route = served, route
         return r
+
+    def _pick_model(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        headers: Mapping[str, str],
+        tokenize: Callable[[ServedModel], list[int]],
+    ) -> tuple[ServedModel, Picked | None, list[int]]:
+        """The model that serves `req`, the route rule that picked it (None: named
+        directly) and the prompt in its tokens.
+
+        A routed name (cluster/model_routes.py) measures the prompt in its default
+        model's tokens, picks by its rules, and tokenizes again only when the picked
+        model is another one.
+        """
+        if req.model not in self.model_router:
+            served = self._served(req.model)
+            return served, None, tokenize(served)
+        default = self.by_model[self.model_router.default_model(req.model)]
+        ids = tokenize(default)
+        max_tokens = requested_max_tokens(req) or default.max_model_len
+        facts = RouteFacts(len(ids), max_tokens, headers, req.metadata or {})
+        picked = self.model_router.pick(req.model, facts)
+        self.router_metrics.route_decisions.labels(*picked).inc()
+        served = self.by_model[picked.model]
+        return served, picked, ids if served is default else tokenize(served)
 
     # -- admission --------------------------------------------------------------------
 
@@ -536,6 +580,8 @@ class Router:
             self._release()
             raise
         cache_header = {} if r.cache is None else {RESULT_CACHE_HEADER: r.cache.status}
+        if r.route is not None:  # explainable routing: the rule that picked the model
+            cache_header[RULE_HEADER] = r.route.rule
         if r.req.stream:
             return _SlotStreamingResponse(
                 self._stream(r, items),

@@ -284,6 +284,12 @@ class RouterMetrics:
             ["model", "priority", "reason"],
             registry=r,
         )
+        self.route_decisions = Counter(
+            "pdserve_model_route_decisions",
+            "Requests naming a routed model, by route, the rule that matched and the model",
+            ["route", "rule", "model"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "pdserve_router_inflight_requests",
             "Requests this router replica admitted and has not finished",

@@ -569,6 +569,11 @@ def _max_tokens(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, in
     return "max_tokens", req.max_tokens
 
 
+def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The output length the request asked for (None: as long as the model allows)."""
+    return _max_tokens(req)[1]
+
+
 def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     if isinstance(req, CompletionRequest):
         return req.logprobs

@@ -11,13 +11,18 @@ the router is replaced (its args list the models): its old replica serves them t
 end while the new one takes over, A's pools keep their replicas (their application's
 args did not change), and B is gone.
 
+Routed model names (`--routes-file`): three rules of route `auto` send each request where
+the rule says, and route `canary` sends 10% of its traffic to B.
+
 One cluster for the module (`multi_cluster`); tests that need both models must come
 before `test_removing_a_model_keeps_the_other_models_streams`, which runs last.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import random
 import subprocess
 import sys
@@ -56,8 +61,27 @@ class MultiCluster:
     b_id: str
 
 
+CANARY_SHARE = 0.1
+
+
+def routes(a_id: str) -> list[dict[str, Any]]:
+    """`auto`: three rules to B, else A; `canary`: 10% of its traffic to B."""
+    to_b = [
+        {"name": "tagged", "model": B_ID, "metadata": {"workload": "batch"}},
+        {"name": "team-b", "model": B_ID, "headers": {"X-Team": "b"}},
+        {"name": "short-answer", "model": B_ID, "max_max_tokens": 2},
+    ]
+    canary = [{"name": "b-canary", "model": B_ID, "fraction": CANARY_SHARE}]
+    return [
+        {"name": "auto", "default": a_id, "rules": to_b},
+        {"name": "canary", "default": a_id, "rules": canary},
+    ]
+
+
 @pytest.fixture(scope="module")
-def multi_cluster(make_checkpoint: Any, pdserve_up: Any) -> Iterator[MultiCluster]:
+def multi_cluster(
+    make_checkpoint: Any, pdserve_up: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MultiCluster]:
     a_dir = Path(make_checkpoint(max_position_embeddings=4096))
     b_dir = Path(
         make_checkpoint(
@@ -72,7 +96,9 @@ def multi_cluster(make_checkpoint: Any, pdserve_up: Any) -> Iterator[MultiCluste
         )
     )
     b_flag = f"{b_dir},served_model_name={B_ID},mode=colocated"
-    with pdserve_up(a_dir, "--model", b_flag, *COMMON) as url:
+    routes_file = tmp_path_factory.mktemp("routes") / "routes.yaml"
+    routes_file.write_text(yaml.safe_dump(routes(a_dir.name)))
+    with pdserve_up(a_dir, "--model", b_flag, "--routes-file", str(routes_file), *COMMON) as url:
         assert url.ray_address, "pdserve up printed no Ray address"
         yield MultiCluster(url, url.ray_address, a_dir, b_dir, a_dir.name, B_ID)
 
@@ -94,7 +120,7 @@ def test_each_model_serves_its_own_tokens(
     c, url = client(multi_cluster.url), multi_cluster.url
     a, b = multi_cluster.a_id, multi_cluster.b_id
     a_dir, b_dir = multi_cluster.a_dir, multi_cluster.b_dir
-    assert {m.id for m in c.models.list().data} == {a, b}
+    assert {m.id for m in c.models.list().data} == {a, b, "auto", "canary"}
     before = api.metric(url, "pdserve_kv_transfer_blocks_total", model=a)
     for model, folder, vocab in ((a, a_dir, 512), (b, b_dir, 1024)):
         ids = prompts(7, vocab)
@@ -132,6 +158,73 @@ def test_each_model_serves_its_own_tokens(
     assert health["status"] == "ok"
     assert health["models"][a]["workers"] == {"prefill": 1, "decode": 1}
     assert health["models"][b]["workers"] == {"prefill": 0, "decode": 1}
+
+
+def test_routed_names_go_where_their_rules_say(multi_cluster: MultiCluster, api: Any) -> None:
+    c, url = client(multi_cluster.url), multi_cluster.url
+    a, b = multi_cluster.a_id, multi_cluster.b_id
+
+    def routed(model: str, max_tokens: int = MAX_TOKENS, **kw: Any) -> tuple[str, str, Any]:
+        """(the model that served, the rule header, its token ids) of one request."""
+        extra = {"ignore_eos": True, "return_token_ids": True, **kw.pop("extra_body", {})}
+        raw = c.completions.with_raw_response.create(
+            model=model, prompt=TEXT, max_tokens=max_tokens, temperature=0, extra_body=extra, **kw
+        )
+        out = raw.parse()
+        tokens = out.choices[0].model_extra["token_ids"]
+        return out.model, raw.headers.get("x-pdserve-route-rule"), tokens
+
+    def direct(model: str, max_tokens: int = MAX_TOKENS) -> Any:
+        return routed(model, max_tokens)[2]
+
+    def decisions(rule: str, model: str, route: str = "auto") -> float:
+        return api.metric(
+            url, "pdserve_model_route_decisions_total", route=route, rule=rule, model=model
+        )
+
+    cases = [  # (request, the rule that must pick it, the model it must pick)
+        ({"extra_body": {"metadata": {"workload": "batch"}}}, "tagged", b),
+        ({"extra_headers": {"X-Team": "b"}}, "team-b", b),
+        ({"max_tokens": 2}, "short-answer", b),
+        ({"extra_body": {"metadata": {"workload": "chat"}}}, "default", a),
+    ]
+    for request, rule, model in cases:
+        max_tokens = request.pop("max_tokens", MAX_TOKENS)
+        assert decisions(rule, model) == 0
+        served, header, tokens = routed("auto", max_tokens, **request)
+        assert (served, header) == (model, rule), request
+        # served as if the model were named directly: its tokenizer, its tokens
+        assert tokens == direct(model, max_tokens), request
+        assert decisions(rule, model) == 1
+    assert routed(a)[1] is None  # a model named directly: no rule
+
+    # the canary: 10% of 400 requests to B, within binomial bounds (4 sigma)
+    n = 400
+
+    async def flood() -> list[str]:
+        ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        gate = asyncio.Semaphore(16)
+
+        async def one() -> str:
+            async with gate:
+                out = await ac.completions.create(
+                    model="canary", prompt=[5, 6, 7], max_tokens=1, temperature=0
+                )
+                return out.model
+
+        try:
+            return await asyncio.gather(*(one() for _ in range(n)))
+        finally:
+            await ac.close()
+
+    served_by = asyncio.run(flood())
+    to_b = served_by.count(b)
+    assert to_b + served_by.count(a) == n
+    bound = 4 * math.sqrt(n * CANARY_SHARE * (1 - CANARY_SHARE))
+    assert abs(to_b - n * CANARY_SHARE) <= bound, f"{to_b} of {n} to the canary"
+    assert decisions("b-canary", b, "canary") == to_b
+    assert decisions("default", a, "canary") == n - to_b
+    assert api.local_prefills(url) == {}
 
 
 def _pdserve_deploy(*args: str) -> subprocess.Popen[str]:
@@ -174,11 +267,13 @@ def test_removing_a_model_keeps_the_other_models_streams(
     running = yaml.safe_load(_finished(_pdserve_deploy("--address", address)))
     apps = running["applications"]
     assert {app["name"] for app in apps} == {"pdserve", model_app_name(a), model_app_name(b)}
+    assert _model_ids(url) == {a, b, "auto", "canary"}
     apps = [app for app in apps if app["name"] != model_app_name(b)]
     (router,) = [app for app in apps if app["name"] == "pdserve"]
     router["args"]["models"] = [
         m for m in router["args"]["models"] if m.get("served_model_name") != b
     ]
+    router["args"]["routes"] = []  # they route to B
     without_b = tmp_path / "without-b.yaml"
     without_b.write_text(yaml.safe_dump({**running, "applications": apps}))
 
