@@ -43,7 +43,7 @@ from pdserve.cluster import tracing
 from pdserve.cluster.log_once import OncePerCause
 from pdserve.cluster.replica import WorkerReplica, resolve_transfer_host
 from pdserve.decode_worker.channels import Batch, Channel, Channels
-from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.decode_worker.worker import DecodeWorker, choice_index
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_receiver
@@ -279,11 +279,19 @@ class DecodeServer(WorkerReplica):
         first_item: dict[str, Any] = {}
         last: dict[str, Any] = {}
         first_s = started
+        # parallel sampling: every item names its choice ("index"); "finished" says the
+        # whole request is (each choice's own end is its "finish_reason")
+        running = set(range(params.n))
         try:
             async for out in self.worker.generate(
                 request_id, prompt_token_ids, params, kv_expected, info, kv_wait_s
             ):
                 item = _output_item(out)
+                if params.n > 1:
+                    index = choice_index(request_id, out.request_id)
+                    if out.finished:
+                        running.discard(index)
+                    item.update(index=index, finished=not running)
                 if first:
                     item.update(_first_item_extras(out, info, self.config.block_size))
                     if kv_expected and not info.get("kv_used"):
