@@ -17,7 +17,9 @@ worker to push there.
 Items are plain dicts (the router imports no torch): first
 `{"type": "accepted", "kv_expected": bool, "worker_id": str, "address": str}` once the
 receiver expects the request (only then may the prefill worker push; `submit` returns
-it), then one `{"type": "output", ...}` per step that produced tokens. When expected KV
+it), then one `{"type": "output", ...}` per step that produced tokens. With `n` > 1
+(parallel sampling) each names its choice (`"index"`); its `"finished"` is the whole
+request's, its `"finish_reason"` its choice's. When expected KV
 was not used, the first output item says why in "local_prefill" (a reason of the router's
 `pdserve_decode_local_prefill_total`: "transfer_failed", "kv_late" or what the router
 gave `cancel_kv`).

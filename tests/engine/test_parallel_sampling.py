@@ -8,6 +8,8 @@ Blocks balance afterwards, also when a choice is aborted.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.errors import InvalidRequestError
 
 BLOCK = 4
@@ -142,4 +145,38 @@ def test_bad_forks_are_refused(model_dir: Path) -> None:
     with pytest.raises(InvalidRequestError, match="n must be"):
         SamplingParams(n=0)
     eng.abort(["r"])
+    eng.block_pool.check_no_leaks()
+
+
+def test_a_choice_stream_left_early_aborts_every_choice(model_dir: Path) -> None:
+    """The decode worker's one stream for n choices (`AsyncEngine.stream(choices=...)`):
+    outputs of every choice come on it, and a caller that goes away (the client did)
+    aborts those still running: every block comes back."""
+    eng = engine(model_dir)
+    params = dataclasses.replace(PARAMS, max_tokens=200)
+    ids = prompt(13)
+    children = [f"r-c{i}" for i in range(1, N)]
+
+    def start(e: LLMEngine) -> None:
+        e.add_request("r", ids, params.choice_params(0), stream=True)
+        for i, child in enumerate(children, start=1):
+            e.fork_request("r", child, params.choice_params(i), True)
+
+    async def run() -> set[str]:
+        async_engine = AsyncEngine(eng)
+        seen: set[str] = set()
+        try:
+            stream = async_engine.stream("r", start, choices=children)
+            async for out in stream:
+                seen.add(out.request_id)
+                if len(seen) == N:
+                    break
+            await stream.aclose()
+            # commands run in order between steps: the abort came before this one
+            assert not await async_engine.call(lambda e: e.has_unfinished)
+        finally:
+            await async_engine.close()
+        return seen
+
+    assert asyncio.run(run()) == {"r", *children}
     eng.block_pool.check_no_leaks()
