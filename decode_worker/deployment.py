@@ -17,7 +17,9 @@ worker to push there.
 Items are plain dicts (the router imports no torch): first
 `{"type": "accepted", "kv_expected": bool, "worker_id": str, "address": str}` once the
 receiver expects the request (only then may the prefill worker push; `submit` returns
-it), then one `{"type": "output", ...}` per step that produced tokens. When expected KV
+it), then one `{"type": "output", ...}` per step that produced tokens. With `n` > 1
+(parallel sampling) each names its choice (`"index"`); its `"finished"` is the whole
+request's, its `"finish_reason"` its choice's. When expected KV
 was not used, the first output item says why in "local_prefill" (a reason of the router's
 `pdserve_decode_local_prefill_total`: "transfer_failed", "kv_late" or what the router
 gave `cancel_kv`).
@@ -43,7 +45,7 @@ from pdserve.cluster import tracing
 from pdserve.cluster.log_once import OncePerCause
 from pdserve.cluster.replica import WorkerReplica, resolve_transfer_host
 from pdserve.decode_worker.channels import Batch, Channel, Channels
-from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.decode_worker.worker import DecodeWorker, choice_index
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_receiver
@@ -279,11 +281,19 @@ class DecodeServer(WorkerReplica):
         first_item: dict[str, Any] = {}
         last: dict[str, Any] = {}
         first_s = started
+        # parallel sampling: every item names its choice ("index"); "finished" says the
+        # whole request is (each choice's own end is its "finish_reason")
+        running = set(range(params.n))
         try:
             async for out in self.worker.generate(
                 request_id, prompt_token_ids, params, kv_expected, info, kv_wait_s
             ):
                 item = _output_item(out)
+                if params.n > 1:
+                    index = choice_index(request_id, out.request_id)
+                    if out.finished:
+                        running.discard(index)
+                    item.update(index=index, finished=not running)
                 if first:
                     item.update(_first_item_extras(out, info, self.config.block_size))
                     if kv_expected and not info.get("kv_used"):

@@ -34,6 +34,17 @@ if TYPE_CHECKING:  # ray is imported only where ranks are actors
 logger = logging.getLogger(__name__)
 
 
+def choice_id(request_id: str, index: int) -> str:
+    """The engine's id of choice `index` of a parallel-sampling request (0: the request's
+    own id)."""
+    return request_id if index == 0 else f"{request_id}-c{index}"
+
+
+def choice_index(request_id: str, output_id: str) -> int:
+    """Which choice of `request_id` an engine output of id `output_id` belongs to."""
+    return 0 if output_id == request_id else int(output_id.rsplit("-c", 1)[1])
+
+
 class DecodeWorker:
     def __init__(
         self,
@@ -135,6 +146,11 @@ class DecodeWorker:
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the first one is prefill's token when KV came.
 
+        With `params.n` > 1 (parallel sampling) the outputs of every choice come on this
+        stream, each naming its choice's engine id (`choice_id`; `choice_index` maps it
+        back): the prompt is imported (or prefilled) once, as choice 0, and the other
+        choices fork over its blocks (`LLMEngine.fork_request`).
+
         `info`, if given, is filled before the first output: "kv_used" (the pushed KV
         was admitted), "first_block" (leading blocks taken from this worker's own cache),
         "ready_s" (time.monotonic() when the KV was claimed, or the call began) and, when
@@ -143,6 +159,11 @@ class DecodeWorker:
         "kv_blocks" when KV was received (tracing).
         """
         info = {} if info is None else info
+        # parallel sampling: choice i (ids `choice_id`) seeded as SamplingParams.choice_params
+        n = params.n
+        choices_params = [params.choice_params(i) for i in range(n)]
+        choice_ids = [choice_id(request_id, i) for i in range(1, n)]
+        params = choices_params[0]
         received = await self._claim(request_id, info, kv_wait_s) if kv_expected else None
         info.update(kv_used=False, first_block=0, ready_s=time.monotonic())
         if received is not None:
@@ -180,11 +201,24 @@ class DecodeWorker:
             engine.add_request(request_id, prompt_token_ids, params, stream=True)
             return None
 
+        def start_choices(engine: LLMEngine) -> RequestOutput | None:
+            """Choice 0 is the request itself (its KV imported, or prefilled here); the
+            others fork over its prompt blocks once they are computed."""
+            first = start(engine)
+            for i in range(1, n):
+                engine.fork_request(request_id, choice_ids[i - 1], choices_params[i], True)
+            return first
+
         # the import copies the payload into the cache synchronously (engine/kv_staging.py),
         # so the received buffer can go back as soon as `start` has run
         release = received.release if received is not None else None
         # coalesce: a stream that falls behind sends several tokens per message
-        stream = self.engine.stream(request_id, start, on_started=release, coalesce=True)
+        if n == 1:
+            stream = self.engine.stream(request_id, start, on_started=release, coalesce=True)
+        else:
+            stream = self.engine.stream(
+                request_id, start_choices, on_started=release, choices=choice_ids
+            )
         async for out in stream:
             yield out
 

@@ -13,7 +13,7 @@ import collections
 import contextlib
 import itertools
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from pdserve.engine.block_pool import KVEvent
@@ -78,6 +78,7 @@ class AsyncEngine:
         on_started: Callable[[], None] | None = None,
         on_finish: Callable[[LLMEngine], Any] | None = None,
         coalesce: bool = False,
+        choices: Sequence[str] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Register a stream, run `start(engine)` (which adds the request), yield outputs.
 
@@ -91,10 +92,18 @@ class AsyncEngine:
         `coalesce`: when the caller falls behind (several outputs of the request already
         queued when it asks for the next), they come as one merged output. Nothing is
         ever held back waiting for a later one: an output alone in the queue goes at once.
+
+        `choices`: parallel sampling's other requests (forked by `start`): their outputs
+        come on this stream too (each output names its request), which ends when all
+        have finished; leaving early aborts those unfinished. Never coalesced.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams[request_id] = (loop, queue)
+        ids = [request_id, *choices]
+        for rid in ids:
+            self._streams[rid] = (loop, queue)
+        coalesce = coalesce and not choices
+        unfinished = set(ids)
         if coalesce:
             self._coalescing.add(request_id)
         if on_finish is not None:
@@ -126,15 +135,19 @@ class AsyncEngine:
                         pending = later
                         break
                     item = merge_outputs(item, later)
-                finished = item.finished
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                finished = not unfinished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
+            for rid in ids:
+                self._streams.pop(rid, None)
             self._coalescing.discard(request_id)
             self._on_finish.pop(request_id, None)
             if not finished:
                 self._finish_results.pop(request_id, None)
-                self._post(lambda: self.engine.abort([request_id]))
+                left = sorted(unfinished)
+                self._post(lambda: self.engine.abort(left))
 
     def take_finish_result(self, request_id: str) -> Any:
         """What the stream's `on_finish` returned (or raised: raised here), once."""

@@ -59,7 +59,7 @@ from pdserve.engine.parallel import (
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from pdserve.engine.sequence import FinishReason, Sequence, TokenLogprobs
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
 from pdserve.engine.speculative import (
     BatchProposer,
     Proposer,
@@ -261,6 +261,9 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished prefills keeping their blocks
         self._trackers: dict[str, TextTracker] = {}
+        # parallel sampling: parent request id -> the choices to fork from it once its
+        # prompt is computed (child id, params, stream)
+        self._forks: dict[str, list[tuple[str, SamplingParams, bool]]] = {}
         # NOTE: tensor parallel runs eagerly (no collectives inside captured graphs yet).
         if tp == 1 and cuda_graphs_enabled(config.enforce_eager, self.device, self.runner.backend):
             # Decode steps as CUDA graphs, captured once the KV cache is final.
@@ -510,6 +513,73 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
         return self._output(seq, [first_token], seq.is_finished)
 
+    def fork_request(
+        self, parent_id: str, child_id: str, params: SamplingParams, stream: bool = False
+    ) -> None:
+        """Parallel sampling: a request `child_id` of the same prompt as `parent_id` that
+        shares the prompt's KV instead of computing it again.
+
+        The child takes a reference on each of the parent's blocks that holds only prompt
+        tokens before the last one (copy-on-write without the copy: no sequence ever
+        writes into a block that full), and computes the rest of the prompt itself, at
+        most one block's tokens ending at the last prompt token, in its own blocks. So
+        its first token is sampled from its own logits of the last prompt position, with
+        its own `params` (seed): exactly as a separate request with those params. Forked
+        at once when the parent's prompt is computed (an imported request), else in the
+        step that computes it. Raises InvalidRequestError for an unknown parent, an id in
+        use, or another cache salt (the blocks' hashes would differ)."""
+        parent = self._seqs.get(parent_id)
+        if parent is None or parent.is_finished:
+            raise InvalidRequestError(f"request {parent_id!r} is not running here")
+        if (
+            child_id in self._seqs
+            or child_id in self._held
+            or any(child_id == c for forks in self._forks.values() for c, _, _ in forks)
+        ):
+            raise InvalidRequestError(f"request id {child_id!r} is already running")
+        if params.cache_salt != parent.params.cache_salt:
+            raise InvalidRequestError("a fork must have its parent's cache_salt")
+        if parent.num_computed_tokens >= parent.num_prompt_tokens:
+            self._fork(parent, child_id, params, stream)
+        else:
+            self._forks.setdefault(parent_id, []).append((child_id, params, stream))
+
+    def _fork(self, parent: Sequence, child_id: str, params: SamplingParams, stream: bool) -> None:
+        """Admit `child_id` over `parent`'s prompt blocks (see `fork_request`)."""
+        block_size = self.config.block_size
+        num_prompt = parent.num_prompt_tokens
+        num_shared = (num_prompt - 1) // block_size
+        child = Sequence(
+            request_id=child_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            hash_namespace=parent.hash_namespace,
+            arrival_s=parent.arrival_s,
+        )
+        shared = parent.blocks[:num_shared]
+        self.block_pool.touch(shared)
+        child.blocks = list(shared)
+        child.block_hashes = list(parent.full_block_hashes(block_size)[: num_prompt // block_size])
+        child.num_computed_tokens = num_shared * block_size
+        child.num_cached_prompt_tokens = num_shared * block_size
+        child.first_scheduled_s = time.monotonic()
+        child.status = SequenceStatus.RUNNING
+        self._track(child, stream)
+        self.scheduler.running.append(child)
+
+    def _fork_ready(self, sched_out: SchedulerOutput) -> None:
+        """Fork the waiting choices of every parent whose prompt this step computed (its
+        KV is written: the step ran), before `update` may finish and free the parent."""
+        for item in sched_out.scheduled:
+            seq = item.seq
+            if (
+                seq.request_id in self._forks
+                and item.start + item.num_new_tokens >= seq.num_prompt_tokens
+            ):
+                for child_id, params, stream in self._forks.pop(seq.request_id):
+                    self._fork(seq, child_id, params, stream)
+
     @property
     def kv_head_range(self) -> HeadRange:
         """The model's KV heads [start, end) this process's cache holds (rank 0's)."""
@@ -607,7 +677,15 @@ class LLMEngine:
         return token_ids
 
     def abort(self, request_ids: Seq[str]) -> None:
-        """Cancel requests (any state); their blocks are freed at once."""
+        """Cancel requests (any state); their blocks are freed at once. A parent's
+        choices not forked yet (`fork_request`) go with it."""
+        ids = set(request_ids)
+        for parent_id in list(self._forks):
+            kept = [f for f in self._forks[parent_id] if f[0] not in ids]
+            if parent_id in ids or not kept:
+                del self._forks[parent_id]
+            else:
+                self._forks[parent_id] = kept
         for seq in self.scheduler.abort(request_ids):
             self._release(seq)
 
@@ -694,6 +772,8 @@ class LLMEngine:
             result = self.runner.execute(sched_out)
         else:
             result = self._execute_parallel(sched_out)
+        if self._forks:
+            self._fork_ready(sched_out)
         if self.step_cost is not None and not result.sampled and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         new: dict[str, tuple[list[int], list[str]]] = {}  # request id -> (tokens, texts)

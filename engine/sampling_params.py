@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pdserve.engine.errors import InvalidRequestError
@@ -44,6 +45,10 @@ class SamplingParams:
     # hashes the request's blocks (router, prefill and decode workers, resumes).
     cache_salt: str | None = None
     priority: int = 0
+    # Parallel sampling: choices of one request sharing its prompt's KV. The engine
+    # serves one sequence per call; its caller forks the others (`LLMEngine.fork_request`,
+    # decode_worker/worker.py), choice i seeded `seed + i` (`choice_params`).
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers; store tuples (frozen, hashable).
@@ -76,12 +81,20 @@ class SamplingParams:
                 f"stop strings must be 1 to {MAX_STOP_STRING_LEN} characters",
             ),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (
                 self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN,
                 f"cache_salt must be 1 to {MAX_CACHE_SALT_LEN} characters",
             ),
         ]
         return [message for ok, message in checks if not ok]
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice `index`'s own parameters (n = 1): with a request seed S, seeded S + index,
+        so choice i of an n-request returns exactly what an n = 1 request with seed S + i
+        does; without one, every choice draws independently."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:

@@ -611,43 +611,49 @@ class Router:
 
     async def _complete(self, r: _Request, items: AsyncIterator[dict[str, Any]]) -> Response:
         endpoint = "completions" if r.kind == "completion" else "chat"
-        token_ids: list[int] = []
-        text: list[str] = []
-        logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
-        finish_reason = None
+        n = r.params.n  # parallel sampling: each item names its choice ("index")
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        text: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[tuple[int, float, list[tuple[int, float]]]]] = [[] for _ in range(n)]
+        finish_reasons: list[str | None] = [None] * n
         try:
             async for item in items:
-                token_ids += item["token_ids"]
-                text.append(item["text"])
-                logprobs += item.get("logprobs", [])
-                finish_reason = item["finish_reason"]
+                i = item.get("index", 0)
+                token_ids[i] += item["token_ids"]
+                text[i].append(item["text"])
+                logprobs[i] += item.get("logprobs", [])
+                finish_reasons[i] = item["finish_reason"] or finish_reasons[i]
                 r.cached_tokens = item.get("cached_tokens", r.cached_tokens)
         except UpstreamError as exc:
             r.served.core.metrics.requests.labels(endpoint, "503").inc()
             if r.span is not None:
                 tracing.fail(r.span, exc)
             return JSONResponse(_upstream_error_body(exc), status_code=503)
-        self._observe_done(r, len(token_ids), finish_reason)
+        num_tokens = sum(len(t) for t in token_ids)
+        self._observe_done(r, num_tokens, finish_reasons[0])
         r.served.core.metrics.requests.labels(endpoint, "200").inc()
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
-        if r.kind == "completion":
-            choice["text"] = "".join(text)
-            choice["logprobs"] = self._completion_logprobs(r, logprobs) if logprobs else None
-            obj = "text_completion"
-        else:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-            choice["logprobs"] = self._chat_logprobs(r, logprobs) if logprobs else None
-            obj = "chat.completion"
+        choices = []
+        for i in range(n):
+            lps = logprobs[i]
+            choice: dict[str, Any] = {"index": i, "finish_reason": finish_reasons[i]}
+            if r.kind == "completion":
+                choice["text"] = "".join(text[i])
+                choice["logprobs"] = self._completion_logprobs(r, lps) if lps else None
+            else:
+                choice["message"] = {"role": "assistant", "content": "".join(text[i])}
+                choice["logprobs"] = self._chat_logprobs(r, lps) if lps else None
+            if r.req.return_token_ids:
+                choice["token_ids"] = token_ids[i]
+            choices.append(choice)
         body: dict[str, Any] = {
             "id": r.id,
-            "object": obj,
+            "object": "text_completion" if r.kind == "completion" else "chat.completion",
             "created": r.created,
             "model": r.served.model_id,
-            "choices": [choice],
-            "usage": self._usage(r, len(token_ids)),
+            "choices": choices,
+            "usage": self._usage(r, num_tokens),
         }
         if r.req.return_token_ids:
-            choice["token_ids"] = token_ids
             body["prompt_token_ids"] = r.prompt_ids
         return JSONResponse(body)
 
@@ -664,8 +670,11 @@ class Router:
         try:
             if r.kind == "chat":
                 delta = {"role": "assistant", "content": ""}
-                first: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
-                chunk = {**base, "choices": [first]}
+                # parallel sampling: each choice opens with its role (as OpenAI streams)
+                firsts: list[dict[str, Any]] = [
+                    {"index": i, "delta": delta, "finish_reason": None} for i in range(r.params.n)
+                ]
+                chunk = {**base, "choices": firsts}
                 if r.req.return_token_ids:
                     chunk["prompt_token_ids"] = r.prompt_ids
                 yield _sse(chunk)
@@ -676,9 +685,12 @@ class Router:
                     r.served.core.metrics.itl.observe(now - last_token_s)
                 last_token_s = now
                 num_tokens += len(item["token_ids"])
-                finish_reason = item["finish_reason"]
+                finish_reason = item["finish_reason"] or finish_reason
                 r.cached_tokens = item.get("cached_tokens", r.cached_tokens)
-                choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+                choice: dict[str, Any] = {
+                    "index": item.get("index", 0),
+                    "finish_reason": item["finish_reason"],
+                }
                 lps = item.get("logprobs")
                 if r.kind == "completion":
                     choice["text"] = item["text"]

@@ -413,6 +413,7 @@ class RouterCore:
     ) -> AsyncGenerator[dict[str, Any], None]:
         """`generate`; with `announce`, first a `{"type": "placed"}` item once admitted."""
         generated: list[int] = []
+        emitted = False  # n > 1: some choice's item went out (then no resume)
         failed: set[str] = set()
         salt = params.cache_salt
         cached = CachedTokens(len(prompt_ids))  # usage: prompt tokens a prefix cache served
@@ -447,12 +448,17 @@ class RouterCore:
                     attempt=attempt,
                     cached=cached,
                 ):
-                    generated += item["token_ids"]
+                    if params.n == 1:
+                        generated += item["token_ids"]
+                    else:
+                        emitted = True
                     item["cached_tokens"] = cached.value
                     yield item
                 return
             except _DecodeFailed as exc:
                 failed.add(exc.worker_id or "")
+                if emitted:  # n choices part-streamed: no resume (docs/architecture.md)
+                    raise UpstreamError(f"{exc} (parallel sampling does not resume)") from exc
                 if attempt == self.config.max_resumes:
                     raise UpstreamError(f"{exc} (after {attempt} resumes)") from exc
                 self.metrics.resumes.inc()

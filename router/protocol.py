@@ -19,7 +19,7 @@ A request never silently loses meaning: every field that would change what the o
 is or means, and that the router does not implement, gets a 400 naming it (``param``),
 never a 200 that ignores it. So a client that asks for JSON (``response_format``) or tool
 calls does not receive free text it would take for an answer. Rejected with
-``code: "unsupported_parameter"``: batched prompts, n > 1, best_of > 1, echo, suffix,
+``code: "unsupported_parameter"``: batched prompts, best_of > 1, echo, suffix,
 non-zero presence/frequency penalties, a repetition_penalty other than 1 (vLLM's
 extension), a non-empty logit_bias, a response_format other
 than text, modalities other than text, non-text content parts (images, audio), and any
@@ -81,6 +81,9 @@ __all__ = [
 ]
 
 MAX_CHAT_MESSAGES = 1024
+# `n` (parallel sampling): each choice is a sequence in the decode worker's batch and
+# holds the prompt's last block of its own; a bound keeps one request from taking a batch
+MAX_N = 16
 MAX_PRIORITY = 1000  # `priority` lies in [-MAX_PRIORITY, MAX_PRIORITY] (a metric label)
 # Below this a temperature means greedy, as in vLLM (`_SAMPLING_EPS`): the sampler divides
 # float32 logits by it, and temperature=1e-300 (0 in float32) made inf/NaN probabilities.
@@ -248,7 +251,12 @@ class _SamplingRequest(BaseModel):
     seed: Int64 | None = None
     stop: Stop | None = None
     stop_token_ids: list[TokenId] | None = Field(None, description="Extension.")
-    n: int | None = Field(1, ge=1, le=1, description="Only 1 is supported.")
+    n: int | None = Field(
+        1,
+        ge=1,
+        le=MAX_N,
+        description=f"Choices (at most {MAX_N}); with a seed S, choice i is seeded S + i.",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="Extension: keep going past EOS.")
@@ -306,13 +314,6 @@ class _SamplingRequest(BaseModel):
 
     # NOTE: mode="before" validators run ahead of the schema's bounds (le=1, le=0,
     # max_length=0), so an unsupported value is named as such, not as out of range.
-    @field_validator("n", mode="before")
-    @classmethod
-    def _check_n(cls, n: Any) -> Any:
-        if _is_int(n) and n > 1:
-            raise _unsupported("n > 1")
-        return n
-
     @field_validator("modalities", mode="before")
     @classmethod
     def _check_modalities(cls, value: Any) -> Any:
@@ -635,6 +636,7 @@ def to_sampling_params(
             logprobs=_logprobs(req),
             cache_salt=req.cache_salt,
             priority=req.priority or 0,
+            n=req.n or 1,
         )
     except ValueError as exc:  # InvalidRequestError is a ValueError
         field = str(exc).split(" ", 1)[0]

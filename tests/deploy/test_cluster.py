@@ -560,7 +560,7 @@ def test_bad_requests_get_openai_errors_and_the_ttft_breakdown_is_complete(
     bad: list[tuple[dict[str, Any], type[openai.APIStatusError], str | None]] = [
         ({"model": "no-such-model"}, openai.NotFoundError, "model"),
         ({"temperature": 7}, openai.BadRequestError, "temperature"),
-        ({"n": 2}, openai.BadRequestError, "n"),
+        ({"n": 17}, openai.BadRequestError, "n"),  # past MAX_N
         ({"max_tokens": 10_000}, openai.BadRequestError, "max_tokens"),
         ({"prompt": list(range(600))}, openai.BadRequestError, "prompt"),  # > context
         ({"prompt": [5, 10**6]}, openai.BadRequestError, "prompt"),  # outside the vocab
@@ -855,4 +855,88 @@ def test_cached_tokens_count_prefix_hits_and_salts_keep_tenants_apart(
         assert cached_tokens(greedy(c, model, other, **salted("tenant-a"))) == 2 * BLOCK_SIZE
     if name.startswith("disagg"):  # the prefill workers' hits, the split happened
         assert metric(url, "pdserve_kv_transfer_blocks_total") > 0
+    assert_workers_idle(url)
+
+
+def test_parallel_sampling_forks_one_prefill_into_seeded_choices(
+    cluster: tuple[str, str],
+) -> None:
+    """`n=4, seed=S` returns the four choices that n=1 requests seeded S + i return
+    (streamed or not, through the client's typed objects), from one prefill whose blocks
+    cross once in disaggregated mode; every block is released afterwards."""
+    name, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    n, seed = 4, 4242
+    prompt = [random.Random(21).randrange(5, 512) for _ in range(2 * BLOCK_SIZE + 5)]
+    extra = {"ignore_eos": True, "return_token_ids": True, "result_cache": False}
+    args: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "temperature": 1.0,
+        "max_tokens": MAX_TOKENS,
+        "extra_body": extra,
+    }
+    counters = ("pdserve_kv_transfer_blocks_total", "pdserve_prompt_tokens_total")
+    before = {m: metric_total(url, m) for m in counters}
+    placed = {role: metric(url, "pdserve_placements_total", role=role) for role in ("prefill",)}
+    out = c.completions.create(n=n, seed=seed, **args)
+    # one prompt, prefilled once (on P in disaggregated mode, its 3 blocks sent once)
+    prompt_tokens = metric_total(url, "pdserve_prompt_tokens_total") - before[counters[1]]
+    blocks = metric_total(url, "pdserve_kv_transfer_blocks_total") - before[counters[0]]
+    if name.startswith("disagg"):
+        assert blocks == 3, f"{name}: the prompt's blocks crossed {blocks / 3:g} times"
+        assert metric(url, "pdserve_placements_total", role="prefill") == placed["prefill"] + 1
+        assert prompt_tokens == 2 * len(prompt)  # counted by P's pool and D's, once each
+    else:
+        assert blocks == 0 and prompt_tokens == len(prompt)
+    assert [ch.index for ch in out.choices] == list(range(n))
+    got = [ch.model_extra["token_ids"] for ch in out.choices]
+    separate = [
+        c.completions.create(seed=seed + i, **args).choices[0].model_extra["token_ids"]
+        for i in range(n)
+    ]
+    assert got == separate, name
+    assert len({tuple(t) for t in got}) > 1  # the derived seeds differ
+    assert all(ch.finish_reason == "length" for ch in out.choices)
+    assert out.usage is not None and out.usage.completion_tokens == n * MAX_TOKENS
+    assert out.usage.prompt_tokens == len(prompt)
+
+    chunks = list(
+        c.completions.create(
+            n=n, seed=seed, stream=True, stream_options={"include_usage": True}, **args
+        )
+    )
+    streamed: list[list[int]] = [[] for _ in range(n)]
+    texts, reasons = [""] * n, [None] * n
+    for chunk in chunks:
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.model_extra["token_ids"]
+            texts[ch.index] += ch.text
+            reasons[ch.index] = ch.finish_reason or reasons[ch.index]
+    assert streamed == separate and texts == [ch.text for ch in out.choices]
+    assert reasons == ["length"] * n
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == n * MAX_TOKENS
+    # chat: each choice its own message, seeded alike
+    chat = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me about the river"}],
+        n=2,
+        seed=seed,
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        extra_body=extra,
+    )
+    assert [ch.index for ch in chat.choices] == [0, 1]
+    for i, ch in enumerate(chat.choices):
+        alone = c.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Tell me about the river"}],
+            seed=seed + i,
+            temperature=1.0,
+            max_tokens=MAX_TOKENS,
+            extra_body=extra,
+        )
+        assert ch.message.content == alone.choices[0].message.content
     assert_workers_idle(url)

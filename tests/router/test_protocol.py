@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.protocol import (
+    MAX_N,
     NO_EFFECT,
     NOT_IMPLEMENTED,
     ChatCompletionRequest,
@@ -167,11 +168,12 @@ USED = {
     "stream_options", "ignore_eos", "return_token_ids", "add_generation_prompt",
     "cache_salt",
     "priority",
+    "n",
 }  # fmt: skip
 USED |= {"result_cache"}  # the result cache's per-request opt-out (router/result_cache.py)
 # Supported only at their no-op value; any other is a 400 naming the field.
 NO_OP_ONLY = {
-    "n", "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
+    "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
     "response_format", "modalities", "repetition_penalty",
 }  # fmt: skip
 
@@ -226,7 +228,7 @@ REJECTED = [
     (CompletionRequest, {"top_k": -2}, "top_k", "greater than or equal to -1"),
     (CompletionRequest, {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     (CompletionRequest, {"logprobs": 21}, "logprobs", "less than or equal to 20"),
-    (CompletionRequest, {"n": 2}, "n", "n > 1 is not supported"),
+    (CompletionRequest, {"n": 17}, "n", "less than or equal to 16"),
     (CompletionRequest, {"n": 0}, "n", "greater than or equal to 1"),
     (CompletionRequest, {"best_of": 2}, "best_of", "not supported"),
     (CompletionRequest, {"echo": True}, "echo", "echo is not supported"),
@@ -289,7 +291,7 @@ REJECTED = [
     (CompletionRequest, {"seed": 2**64}, "seed", "less than or equal to"),
     (ChatCompletionRequest, {"messages": []}, "messages", "at least 1 item"),
     (ChatCompletionRequest, {"top_logprobs": 2}, "top_logprobs", "requires logprobs to be true"),
-    (ChatCompletionRequest, {"n": 3}, "n", "n > 1 is not supported"),
+    (ChatCompletionRequest, {"n": 17}, "n", "less than or equal to 16"),
     (
         ChatCompletionRequest,
         {"messages": [{"role": "robot", "content": "x"}]},
@@ -337,18 +339,18 @@ def test_missing_field_and_several_errors() -> None:
 
 
 def test_unsupported_code() -> None:
-    assert rejection(completion, n=2).code == "unsupported_parameter"
+    assert rejection(completion, best_of=2).code == "unsupported_parameter"
     assert rejection(completion, temperature=9).code is None
     assert rejection(chat, response_format={"type": "json_object"}).code == "unsupported_parameter"
 
 
 def test_body_shape() -> None:
-    error = rejection(completion, n=2)
+    error = rejection(completion, best_of=2)
     assert error.body() == {
         "error": {
-            "message": "n: n > 1 is not supported",
+            "message": "best_of: best_of > 1 is not supported",
             "type": "invalid_request_error",
-            "param": "n",
+            "param": "best_of",
             "code": "unsupported_parameter",
         }
     }
@@ -465,7 +467,7 @@ def test_json_schema_tells_what_is_rejected(cls: type[Any]) -> None:
         assert model["additionalProperties"] is False, name
     for name in NOT_IMPLEMENTED:
         assert props[name]["type"] == "null", name
-    assert _schema_of(props, "n", "integer")["maximum"] == 1
+    assert _schema_of(props, "n", "integer")["maximum"] == MAX_N
     for penalty in ("presence_penalty", "frequency_penalty"):
         number = _schema_of(props, penalty, "number")
         assert (number["minimum"], number["maximum"]) == (0, 0)

@@ -124,6 +124,7 @@ def test_a_repeat_is_answered_from_the_cache_and_anything_changed_misses(
             "skip_special_tokens": dataclasses.replace(GREEDY, skip_special_tokens=False),
             "greedy seed": dataclasses.replace(GREEDY, seed=1),
             "cache_salt": dataclasses.replace(GREEDY, cache_salt="tenant-b"),
+            "n": dataclasses.replace(GREEDY, n=2),
         }
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         # priority orders the queues, never the tokens: the one field outside the key
