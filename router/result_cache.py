@@ -72,7 +72,7 @@ _SCHEMA = 1  # bump when the key's contents or the entry's format change
 # SamplingParams fields that never change the tokens (a scheduling priority, if one is added)
 _NOT_OUTPUT: frozenset[str] = frozenset({"priority"})
 _FINISHED = ("stop", "length")  # a complete output; "abort" or None never is
-_ITEM_FIELDS = ("token_ids", "text", "finish_reason", "logprobs")
+_ITEM_FIELDS = ("index", "token_ids", "text", "finish_reason", "logprobs")
 
 # Files up to this size are hashed whole; larger ones by header and sampled windows.
 WHOLE_FILE_BYTES = 64 << 20

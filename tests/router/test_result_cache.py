@@ -81,6 +81,25 @@ async def serve(cache: ResultCache, plan: CachePlan, xs: list[dict[str, Any]]) -
     return [item async for item in source]
 
 
+def test_parallel_choices_replay_with_their_index(redis_url: str, db: redis.Redis) -> None:
+    """An n > 1 result's items name their choice: a replay keeps each one's index."""
+
+    async def run() -> None:
+        cache = make_cache(redis_url)
+        seeded = dataclasses.replace(SEEDED, n=2)
+        mixed = [{**item, "index": i % 2} for i, item in enumerate(items([1, 2, 3, 4]))]
+        await serve(cache, cache.plan(PROMPT, seeded, None, {}), mixed)
+        replayed = await serve(cache, cache.plan(PROMPT, seeded, None, {}), [])
+        assert [(i["index"], i["token_ids"]) for i in replayed] == [
+            (0, [1]),
+            (1, [2]),
+            (0, [3]),
+            (1, [4]),
+        ]
+
+    asyncio.run(run())
+
+
 def test_a_repeat_is_answered_from_the_cache_and_anything_changed_misses(
     redis_url: str, db: redis.Redis
 ) -> None:
