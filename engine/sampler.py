@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import TokenLogprobs
@@ -184,6 +186,32 @@ class Sampler:
             top = tuple(zip(ids[row][:num_top], values[row][1 : 1 + num_top], strict=True))
             result[i] = TokenLogprobs(token_ids[i], values[row][0], top)
         return result
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: NDArray[np.int32]) -> None:
+    """Set to -inf, in place, the logits of `rows` whose token the row's mask forbids.
+
+    `bitmask[i]` is row `rows[i]`'s mask (engine/grammar.py's `fill_bitmask`: bit t of
+    word w allows token 32w + t). The mask travels to the logits' device once (a few KB
+    per row) and is unpacked there; on CUDA the copy is pinned and asynchronous. Tokens
+    past the mask's width (a padded vocabulary) are forbidden.
+    """
+    mask = torch.from_numpy(bitmask)
+    device = logits.device
+    if device.type == "cuda":
+        mask = mask.pin_memory()
+    mask = mask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((mask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [R, words * 32]
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    allowed = allowed[:, :vocab]
+    if rows == list(range(logits.shape[0])):
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    index = torch.tensor(rows, device=device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
 
 
 def _filters(params: SamplingParams, vocab: int) -> bool:

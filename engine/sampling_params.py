@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pdserve.engine.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -44,6 +48,10 @@ class SamplingParams:
     # hashes the request's blocks (router, prefill and decode workers, resumes).
     cache_salt: str | None = None
     priority: int = 0
+    # Structured output: the grammar every sampled token must keep the output within
+    # (engine/grammar.py). A description, never a compiled object: these params are
+    # pickled to the prefill and decode workers, and each compiles (and caches) its own.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers; store tuples (frozen, hashable).
