@@ -211,7 +211,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: NDArray[
         logits.masked_fill_(~allowed, float("-inf"))
         return
     index = torch.tensor(rows, device=device)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+    logits.index_copy_(
+        0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    )
 
 
 def _filters(params: SamplingParams, vocab: int) -> bool:

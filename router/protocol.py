@@ -23,10 +23,10 @@ never a 200 that ignores it. So a client that asks for JSON (``response_format``
 calls does not receive free text it would take for an answer. Rejected with
 ``code: "unsupported_parameter"``: batched prompts, n > 1, best_of > 1, echo, suffix,
 non-zero presence/frequency penalties, a repetition_penalty other than 1 (vLLM's
-extension), a non-empty logit_bias, modalities other than text, non-text content parts (images, audio), and any
-non-null value of the `NOT_IMPLEMENTED` fields (tools, tool_choice, parallel_tool_calls,
-functions, function_call, prediction, audio, reasoning_effort, verbosity,
-web_search_options; in messages: tool_calls, tool_call_id, function_call). logprobs
+extension), a non-empty logit_bias, modalities other than text, non-text content parts
+(images, audio), and any non-null value of the `NOT_IMPLEMENTED` fields (tools,
+tool_choice, parallel_tool_calls, functions, function_call, prediction, audio,
+reasoning_effort, verbosity, web_search_options; in messages: tool_calls, tool_call_id, function_call). logprobs
 beyond `MAX_LOGPROBS` fail the schema's bound. The schema says all of it (null-only
 types, maximum 1, maxProperties 0, ...), so /openapi.json tells the truth.
 
