@@ -24,8 +24,8 @@ def _leaf(rng: random.Random) -> dict[str, Any]:
         low = rng.randint(-50, 50)
         return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 500)}
     if kind == "number":
-        low = rng.uniform(-10, 10)
-        return {"type": "number", "minimum": round(low, 2), "maximum": round(low + 5, 2)}
+        bottom = round(rng.uniform(-10, 10), 2)
+        return {"type": "number", "minimum": bottom, "maximum": round(bottom + 5, 2)}
     if kind == "enum":
         return {"enum": rng.sample(["a", "b", "on", "off", 1, 2, None, True], rng.randint(1, 4))}
     return {"type": kind}

@@ -26,19 +26,23 @@ word, bit set = allowed); the sampler applies it to the logits on their own devi
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
 import numpy as np
 from numpy.typing import NDArray
 
 from pdserve.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "choice"]
 KINDS: tuple[GrammarKind, ...] = ("json_object", "json_schema", "regex", "choice")
@@ -47,7 +51,7 @@ MAX_CHOICES = 1024
 DEFAULT_CACHE_SIZE = 128
 # Compact JSON, as OpenAI returns it: a constrained model must not spend its tokens (or,
 # on random weights, all of them) on whitespace. A schema's "x-guidance" overrides it.
-_JSON_DEFAULTS: dict[str, Any] = {
+_JSON_DEFAULTS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
@@ -78,8 +82,9 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: Any, strict: bool = False) -> GrammarSpec:
-        """From a schema object (a dict, or True for any JSON value)."""
-        return cls("json_schema", json.dumps(schema, sort_keys=True), strict)
+        """From a schema object (a dict, or True for any JSON value). Key order is kept:
+        properties come out in the order the schema declares them, as OpenAI's do."""
+        return cls("json_schema", json.dumps(schema), strict)
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> GrammarSpec:
@@ -103,10 +108,17 @@ class GrammarSpec:
 
     def check(self) -> None:
         """Raises InvalidRequestError (the router's 400) when the grammar is invalid:
-        malformed, unsatisfiable, or (strict) using what the engine cannot enforce."""
-        error = llguidance.LLMatcher.validate_grammar(self.grammar())
-        if error:
-            raise InvalidRequestError(f"invalid {self.kind.replace('_', ' ')}: {error}")
+        malformed, unsatisfiable, or (strict) using what the engine cannot enforce.
+        Valid specs are remembered (LRU): a client repeating its schema pays once."""
+        _check(self)
+
+
+@functools.lru_cache(maxsize=DEFAULT_CACHE_SIZE)
+def _check(spec: GrammarSpec) -> None:
+    """`GrammarSpec.check`; only a valid spec's answer is cached (errors are raised)."""
+    error = llguidance.LLMatcher.validate_grammar(spec.grammar())
+    if error:
+        raise InvalidRequestError(f"invalid {spec.kind.replace('_', ' ')}: {error}")
 
 
 def _schema(source: str) -> Any:

@@ -26,9 +26,10 @@ non-zero presence/frequency penalties, a repetition_penalty other than 1 (vLLM's
 extension), a non-empty logit_bias, modalities other than text, non-text content parts
 (images, audio), and any non-null value of the `NOT_IMPLEMENTED` fields (tools,
 tool_choice, parallel_tool_calls, functions, function_call, prediction, audio,
-reasoning_effort, verbosity, web_search_options; in messages: tool_calls, tool_call_id, function_call). logprobs
-beyond `MAX_LOGPROBS` fail the schema's bound. The schema says all of it (null-only
-types, maximum 1, maxProperties 0, ...), so /openapi.json tells the truth.
+reasoning_effort, verbosity, web_search_options; in messages: tool_calls, tool_call_id,
+function_call). logprobs beyond `MAX_LOGPROBS` fail the schema's bound. The schema says
+all of it (null-only types, maximum 1, maxProperties 0, ...), so /openapi.json tells the
+truth.
 
 Fields that cannot change the output are accepted and ignored (`NO_EFFECT`): user,
 metadata, store (nothing is stored), service_tier, prompt_cache_key, safety_identifier,
