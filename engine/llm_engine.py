@@ -22,6 +22,7 @@ from pdserve.engine.cuda_graphs import cuda_graphs_enabled
 from pdserve.engine.demo_model import resolve_model
 from pdserve.engine.draft import DraftProposer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
+from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.hashing import hash_namespace
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.kv_handoff import (
@@ -257,6 +258,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        # Structured output: compiled grammars, per spec, for this engine's tokenizer.
+        self.grammars = GrammarCompiler(
+            self.model_dir / "tokenizer.json", self.model_config.vocab_size, self.eos_token_ids
+        )
         self._namespace = hash_namespace(self.model_id, config.cache_salt)
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished prefills keeping their blocks
@@ -491,6 +496,7 @@ class LLMEngine:
         try:
             _check_first_logprobs(first_token, params, first_logprobs)
             seq = self._new_sequence(request_id, prompt_token_ids, params, None)
+            _check_first_token(seq, first_token)
             import_prefilled(
                 seq,
                 payload,
@@ -505,7 +511,7 @@ class LLMEngine:
             self.drop_kv(request_id)
             raise
         self._track(seq, stream)
-        seq.append_token(first_token)
+        seq.append_token(first_token)  # the grammar continues from the prefill's token
         if first_logprobs is not None and params.logprobs is not None:
             seq.output_logprobs.append(first_logprobs)
         reason = self.scheduler.stop_reason(seq, first_token)
@@ -557,6 +563,8 @@ class LLMEngine:
             hash_namespace=parent.hash_namespace,
             arrival_s=parent.arrival_s,
         )
+        if params.grammar is not None:  # each choice walks the grammar on its own
+            child.grammar = self.grammars.matcher(params.grammar)
         shared = parent.blocks[:num_shared]
         self.block_pool.touch(shared)
         child.blocks = list(shared)
@@ -645,7 +653,7 @@ class LLMEngine:
     ) -> Sequence:
         if request_id in self._seqs or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        return Sequence(
+        seq = Sequence(
             request_id=request_id,
             prompt_token_ids=self._prompt_token_ids(prompt),
             params=params,
@@ -653,6 +661,9 @@ class LLMEngine:
             hash_namespace=self.namespace_for(params.cache_salt),
             arrival_s=time.monotonic() if arrival_s is None else arrival_s,
         )
+        if params.grammar is not None:  # InvalidRequestError for a grammar it refuses
+            seq.grammar = self.grammars.matcher(params.grammar)
+        return seq
 
     def _track(self, seq: Sequence, stream: bool) -> None:
         self._seqs[seq.request_id] = seq
@@ -905,6 +916,18 @@ def _check_first_logprobs(
             f"{len(first_logprobs.top)} alternatives; token {first_token} with "
             f"{params.logprobs} expected"
         )
+
+
+def _check_first_token(seq: Sequence, first_token: int) -> None:
+    """Raises KVImportError when a constrained request's first token (sampled by the
+    prefill worker) is not one its grammar allows: a prefill worker that did not apply
+    the grammar. Local prefill then samples it under the grammar instead."""
+    grammar = seq.grammar
+    if grammar is None:
+        return
+    if not grammar.advance(first_token):
+        raise KVImportError(f"the first token {first_token} breaks the request's grammar")
+    grammar.rollback(1)  # append_token takes it again once the KV is in
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -29,9 +29,10 @@ from pdserve.engine.attention import (
     PrefillMeta,
 )
 from pdserve.engine.cuda_graphs import CudaGraphRunner
+from pdserve.engine.grammar import fill_bitmask
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.ops import ops_for
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, apply_token_bitmask
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence, TokenLogprobs
 from pdserve.engine.speculative import accept
@@ -300,6 +301,7 @@ def sample_step(
     """Sample the rows of `logits` [N, vocab]: in sample_items' order, one row per
     item, or 1 + m rows for a verify row with m proposals."""
     ids = [item.seq.request_id for item in sample_items]
+    _constrain(logits, sample_items)
     if not any(item.spec_token_ids for item in sample_items):
         sampled_at = [item.seq.num_tokens for item in sample_items]  # the new token's
         result = sampler(logits, sampled_at, [item.seq.params for item in sample_items])
@@ -334,3 +336,20 @@ def sample_step(
         if lps[0] is not None:
             logprobs[rid] = [lp for lp in lps if lp is not None]
     return StepResult(sampled, logprobs)
+
+
+def _constrain(logits: torch.Tensor, sample_items: list[ScheduledSeq]) -> None:
+    """Mask, in place, the logits of the rows whose sequence has a grammar (structured
+    output): only the tokens the grammar allows next remain, EOS only once it is
+    complete. Rows without one cost nothing beyond this loop. Constrained sequences never
+    speculate (scheduler._room), so each has exactly one row here."""
+    rows: list[int] = []
+    matchers = []
+    row = 0
+    for item in sample_items:
+        if item.seq.grammar is not None:
+            rows.append(row)
+            matchers.append(item.seq.grammar)
+        row += 1 + len(item.spec_token_ids)
+    if matchers:
+        apply_token_bitmask(logits, rows, fill_bitmask(matchers, logits.shape[-1]))

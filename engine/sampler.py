@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import TokenLogprobs
@@ -184,6 +186,48 @@ class Sampler:
             top = tuple(zip(ids[row][:num_top], values[row][1 : 1 + num_top], strict=True))
             result[i] = TokenLogprobs(token_ids[i], values[row][0], top)
         return result
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: NDArray[np.int32]) -> None:
+    """Set to -inf, in place, the logits of `rows` whose token the row's mask forbids.
+
+    `bitmask[i]` is row `rows[i]`'s mask (engine/grammar.py's `fill_bitmask`: bit t of
+    word w allows token 32w + t). The mask travels to the logits' device once (4 KB per
+    row for 32k tokens; on CUDA pinned and asynchronous) and is unpacked there a byte at
+    a time through a 256 x 8 table: 16 times faster on CPU than shifting each word 32
+    ways (measured on [32, 32000]). Tokens past the mask (a padded vocabulary) are
+    forbidden.
+    """
+    device = logits.device
+    mask = torch.from_numpy(bitmask)
+    if device.type == "cuda":
+        mask = mask.pin_memory()
+    # Little-endian words: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7.
+    byte_ids = mask.to(device, non_blocking=True).view(torch.uint8).to(torch.int32)
+    forbidden = _forbidden_table(device)[byte_ids].flatten(1)  # [R, words * 32]
+    vocab = logits.shape[-1]
+    if forbidden.shape[1] < vocab:
+        forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
+    forbidden = forbidden[:, :vocab]
+    if rows == list(range(logits.shape[0])):
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
+    index = torch.tensor(rows, device=device)
+    masked = logits.index_select(0, index).masked_fill_(forbidden, float("-inf"))
+    logits.index_copy_(0, index, masked)
+
+
+_FORBIDDEN_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _forbidden_table(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: bit j of byte b is clear (that token is forbidden), per device."""
+    table = _FORBIDDEN_TABLES.get(device)
+    if table is None:
+        bits = torch.arange(8)
+        table = ((torch.arange(256).unsqueeze(1) >> bits) & 1).eq(0).to(device)
+        _FORBIDDEN_TABLES[device] = table
+    return table
 
 
 def _filters(params: SamplingParams, vocab: int) -> bool:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pdserve.engine.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -49,6 +53,10 @@ class SamplingParams:
     # serves one sequence per call; its caller forks the others (`LLMEngine.fork_request`,
     # decode_worker/worker.py), choice i seeded `seed + i` (`choice_params`).
     n: int = 1
+    # Structured output: the grammar every sampled token must keep the output within
+    # (engine/grammar.py). A description, never a compiled object: these params are
+    # pickled to the prefill and decode workers, and each compiles (and caches) its own.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers; store tuples (frozen, hashable).

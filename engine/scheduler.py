@@ -310,7 +310,9 @@ class Scheduler:
         the tokens the request may still emit and the context holds, minus the one a
         verify row always emits; 0 for a row that does not sample."""
         seq = item.seq
-        if not item.samples:
+        # NOTE: a constrained sequence never speculates: its proposals would need the
+        # grammar's mask at every verify position (and a rollback of the rejected ones).
+        if not item.samples or seq.grammar is not None:
             return 0
         return min(
             k,
@@ -514,6 +516,8 @@ class Scheduler:
             return FinishReason.STOP
         if not params.ignore_eos and token_id in seq.eos_token_ids:
             return FinishReason.STOP
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            return FinishReason.STOP  # complete (or, never under its mask, violated)
         if len(seq.output_token_ids) >= params.max_tokens:
             return FinishReason.LENGTH
         if seq.num_tokens >= self.limits.max_model_len:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.hashing import ROOT_HASH, BlockHash, hash_block_chain
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -54,6 +58,9 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     hold_kv: bool = False  # prefill role: keep the blocks referenced after finishing
+    # Structured output: where the output stands in its grammar (params.grammar's);
+    # advanced by every appended token, so the engine that appends it stays in step.
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -70,9 +77,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int) -> bool:
+        """Append a generated token; False when the grammar forbids it (the sequence
+        then stops: scheduler.stop_reason)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        return self.grammar is None or self.grammar.advance(token_id)
 
     def full_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Chained hashes of every full block of the tokens so far (extended lazily)."""

@@ -13,7 +13,9 @@ stop, max_tokens / max_completion_tokens, logprobs, streaming with
 ``stream_options.include_usage``. Extensions (as in vLLM): top_k, stop_token_ids,
 ignore_eos, return_token_ids, add_generation_prompt, cache_salt (the prompt's prefix-cache
 namespace: router/prefix_cache.py), priority (but larger is more important here, the
-opposite of vLLM's order).
+opposite of vLLM's order). Structured output: response_format json_object and json_schema
+(strict or not), and vLLM's guided_json, guided_regex and guided_choice; one per request,
+its grammar checked here (engine/grammar.py), a bad one a 400 naming the field.
 
 A request never silently loses meaning: every field that would change what the output
 is or means, and that the router does not implement, gets a 400 naming it (``param``),
@@ -21,13 +23,13 @@ never a 200 that ignores it. So a client that asks for JSON (``response_format``
 calls does not receive free text it would take for an answer. Rejected with
 ``code: "unsupported_parameter"``: batched prompts, best_of > 1, echo, suffix,
 non-zero presence/frequency penalties, a repetition_penalty other than 1 (vLLM's
-extension), a non-empty logit_bias, a response_format other
-than text, modalities other than text, non-text content parts (images, audio), and any
-non-null value of the `NOT_IMPLEMENTED` fields (tools, tool_choice, parallel_tool_calls,
-functions, function_call, prediction, audio, reasoning_effort, verbosity,
-web_search_options; in messages: tool_calls, tool_call_id, function_call). logprobs
-beyond `MAX_LOGPROBS` fail the schema's bound. The schema says all of it (null-only
-types, maximum 1, maxProperties 0, ...), so /openapi.json tells the truth.
+extension), a non-empty logit_bias, modalities other than text, non-text content parts
+(images, audio), and any non-null value of the `NOT_IMPLEMENTED` fields (tools,
+tool_choice, parallel_tool_calls, functions, function_call, prediction, audio,
+reasoning_effort, verbosity, web_search_options; in messages: tool_calls, tool_call_id,
+function_call). logprobs beyond `MAX_LOGPROBS` fail the schema's bound. The schema says
+all of it (null-only types, maximum 1, maxProperties 0, ...), so /openapi.json tells the
+truth.
 
 Fields that cannot change the output are accepted and ignored (`NO_EFFECT`): user,
 metadata, store (nothing is stored), service_tier, prompt_cache_key, safety_identifier,
@@ -59,6 +61,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, from_json
 
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.grammar import MAX_CHOICES, MAX_SOURCE_CHARS, GrammarSpec
 from pdserve.engine.sampling_params import (
     MAX_CACHE_SALT_LEN,
     MAX_LOGPROBS,
@@ -221,12 +225,27 @@ class StreamOptions(BaseModel):
     )
 
 
-class ResponseFormat(BaseModel):
-    """`response_format`: only the default, plain text, is supported."""
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`, as OpenAI defines it."""
 
     model_config = _CONFIG
 
-    type: Literal["text"]
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute: aliased, as pydantic requires.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(
+        None, description="true: schema keywords the grammar cannot enforce are a 400."
+    )
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: text (the default), or JSON enforced by a grammar."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(BaseModel):
@@ -283,7 +302,24 @@ class _SamplingRequest(BaseModel):
         None, max_length=0, description="Not supported: only null or {}."
     )
     response_format: ResponseFormat | None = Field(
-        None, description='Only {"type": "text"} (the default); JSON output is not supported.'
+        None,
+        description="text, json_object or json_schema (strict or not): the output is held to"
+        " the grammar token by token (engine/grammar.py).",
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="Extension (vLLM's): a JSON schema the output follows."
+    )
+    guided_regex: str | None = Field(
+        None,
+        max_length=MAX_SOURCE_CHARS,
+        description="Extension (vLLM's): a regular expression (Rust regex syntax) the whole"
+        " output matches.",
+    )
+    guided_choice: list[Annotated[str, StringConstraints(min_length=1)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CHOICES,
+        description="Extension (vLLM's): the output is exactly one of these strings.",
     )
     modalities: list[Literal["text"]] | None = Field(None, description="Only text.")
     # NOT_IMPLEMENTED: null, or a 400 naming the field.
@@ -321,17 +357,66 @@ class _SamplingRequest(BaseModel):
             raise _unsupported("output other than text")
         return value
 
-    @field_validator("response_format", mode="before")
+    @field_validator("response_format")
     @classmethod
-    def _check_response_format(cls, value: Any) -> Any:
-        kind = value.get("type") if isinstance(value, dict) else None
-        if isinstance(kind, str) and kind != "text":
+    def _check_response_format(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is None:
+            return value
+        if value.type == "json_schema" and (
+            value.json_schema is None or value.json_schema.json_schema is None
+        ):
             raise PydanticCustomError(
-                _UNSUPPORTED,
-                "response_format of type '{kind}' is not supported; only 'text' is",
-                {"kind": kind},
+                "invalid_value", "type 'json_schema' needs json_schema.schema"
+            )
+        if value.type != "json_schema" and value.json_schema is not None:
+            raise PydanticCustomError(
+                "invalid_value", "json_schema is only allowed with type 'json_schema'"
             )
         return value
+
+    def grammar(self) -> GrammarSpec | None:
+        """The request's output constraint (response_format or one guided_* extension),
+        None for free text. Raises ProtocolError (400) for two at once or an invalid one:
+        the grammar is checked here, so a bad schema never reaches a worker."""
+        specs: list[tuple[str, GrammarSpec]] = []
+        fmt = self.response_format
+        param = "response_format"
+        try:
+            if fmt is not None and fmt.type == "json_object":
+                specs.append(("response_format", GrammarSpec("json_object")))
+            if fmt is not None and fmt.json_schema is not None:
+                strict = bool(fmt.json_schema.strict)
+                spec = GrammarSpec.json_schema(fmt.json_schema.json_schema, strict)
+                specs.append(("response_format", spec))
+            if self.guided_json is not None:
+                param = "guided_json"
+                schema = self.guided_json
+                spec = (
+                    GrammarSpec("json_schema", schema)
+                    if isinstance(schema, str)
+                    else GrammarSpec.json_schema(schema)
+                )
+                specs.append(("guided_json", spec))
+            if self.guided_regex is not None:
+                param = "guided_regex"
+                specs.append(("guided_regex", GrammarSpec("regex", self.guided_regex)))
+            if self.guided_choice is not None:
+                specs.append(("guided_choice", GrammarSpec.choice(self.guided_choice)))
+        except InvalidRequestError as exc:
+            raise ProtocolError(str(exc), param=param) from exc
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise ProtocolError(
+                f"at most one output constraint per request, got {[n for n, _ in specs]}",
+                param=specs[1][0],
+            )
+        param, spec = specs[0]
+        try:
+            spec.check()
+        except InvalidRequestError as exc:
+            raise ProtocolError(str(exc), param=param) from exc
+        return spec
 
     @field_validator("stream_options")
     @classmethod
@@ -637,6 +722,7 @@ def to_sampling_params(
             cache_salt=req.cache_salt,
             priority=req.priority or 0,
             n=req.n or 1,
+            grammar=req.grammar(),
         )
     except ValueError as exc:  # InvalidRequestError is a ValueError
         field = str(exc).split(" ", 1)[0]

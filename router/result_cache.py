@@ -230,7 +230,7 @@ def request_key(
 ) -> str:
     """The Redis key of a request's result (see the module docstring for what it covers)."""
     fields = {
-        f.name: getattr(params, f.name)
+        f.name: _plain(getattr(params, f.name))
         for f in dataclasses.fields(params)
         if f.name not in _NOT_OUTPUT
     }
@@ -238,6 +238,13 @@ def request_key(
         {"v": _SCHEMA, "model": identity, "prompt": prompt_ids, "params": fields, "salt": salt}
     )
     return f"{KEY_PREFIX}:e:{digest}"
+
+
+def _plain(value: Any) -> Any:
+    """A params field as JSON can hold it (the grammar spec is a dataclass)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
 
 
 def cache_directives(headers: Mapping[str, str], body_opt_in: bool = True) -> tuple[bool, bool]:

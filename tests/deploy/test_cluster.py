@@ -939,4 +939,78 @@ def test_parallel_sampling_forks_one_prefill_into_seeded_choices(
             extra_body=extra,
         )
         assert ch.message.content == alone.choices[0].message.content
+
+
+STRUCTURED_PER_CLUSTER = 64  # x3 clusters: ~200 requests through the split and not
+
+
+def _structured_answer(c: openai.OpenAI, model: str, i: int, schema: dict[str, Any]) -> Any:
+    """Request i under `schema`: chat with response_format json_schema (strict) or a
+    completion with guided_json, streamed or not, sampled with seed i; (text, finish)."""
+    extra = {"result_cache": False}
+    kw: dict[str, Any] = {"model": model, "max_tokens": 256, "seed": i, "extra_body": extra}
+    stream = i % 2 == 1
+    if i % 4 < 2:
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": "s", "schema": schema, "strict": True},
+        }
+        messages = [{"role": "user", "content": f"Answer {i} in JSON"}]
+        out = c.chat.completions.create(messages=messages, response_format=fmt, stream=stream, **kw)
+        if not stream:
+            return out.choices[0].message.content, out.choices[0].finish_reason
+        chunks = [ch.choices[0] for ch in out if ch.choices]
+        return "".join(ch.delta.content or "" for ch in chunks), chunks[-1].finish_reason
+    extra["guided_json"] = schema
+    out = c.completions.create(prompt=f"Answer {i} in JSON:", stream=stream, **kw)
+    if not stream:
+        return out.choices[0].text, out.choices[0].finish_reason
+    chunks = [ch.choices[0] for ch in out if ch.choices]
+    return "".join(ch.text for ch in chunks), chunks[-1].finish_reason
+
+
+def test_structured_output_validates_and_the_first_token_is_constrained(
+    cluster: tuple[str, str],
+) -> None:
+    """Assorted JSON schemas, chat (response_format) and completions (guided_json),
+    streamed and not: a random model's output validates only under the grammar. Where
+    the unconstrained first token is no JSON start, the constrained one is, and in
+    disaggregated mode it came from the prefill worker: KV blocks crossed and no decode
+    worker prefilled (a first token outside the grammar would make it prefill locally)."""
+    import concurrent.futures
+
+    import jsonschema
+
+    from pdserve.benchmarks.structured_schemas import assorted_schemas
+
+    name, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    free = greedy(c, model, "Answer in JSON:", max_tokens=1, extra_body={"result_cache": False})
+    assert not free.choices[0].text.startswith("{")
+    blocks0, local0 = metric(url, "pdserve_kv_transfer_blocks_total"), _local_prefills(url)
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+    first = greedy(
+        c,
+        model,
+        "Answer in JSON:",
+        max_tokens=1,
+        extra_body={"result_cache": False, "guided_json": schema},
+    )
+    assert first.choices[0].text.startswith("{"), first.choices[0].text
+    seed = {"colocated": 1, "disagg-grpc": 2, "disagg-ucx": 3}[name]
+    schemas = assorted_schemas(STRUCTURED_PER_CLUSTER, seed=seed)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda a: _structured_answer(c, model, *a), enumerate(schemas)))
+    for s, (text, finish) in zip(schemas, answers, strict=True):
+        assert finish == "stop", (name, text)
+        jsonschema.validate(json.loads(text), s)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(
+            model=model, prompt="x", max_tokens=4, extra_body={"guided_json": {"type": "nope"}}
+        )
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "guided_json"
+    if name.startswith("disagg"):
+        assert metric(url, "pdserve_kv_transfer_blocks_total") > blocks0
+        assert _local_prefills(url) == local0
     assert_workers_idle(url)

@@ -180,3 +180,24 @@ def test_a_choice_stream_left_early_aborts_every_choice(model_dir: Path) -> None
 
     assert asyncio.run(run()) == {"r", *children}
     eng.block_pool.check_no_leaks()
+
+
+def test_each_forked_choice_keeps_to_the_grammar(model_dir: Path) -> None:
+    """A constrained request's choices each walk the grammar with a matcher of their own."""
+    from pdserve.engine.grammar import GrammarSpec
+
+    words = ["alpha", "beta", "gamma", "delta"]
+    params = dataclasses.replace(
+        PARAMS, ignore_eos=False, max_tokens=32, grammar=GrammarSpec.choice(words)
+    )
+    eng = engine(model_dir, caching=False)
+    eng.add_request("r", prompt(13), params.choice_params(0))
+    for i in range(1, N):
+        eng.fork_request("r", f"r-c{i}", params.choice_params(i))
+    texts: dict[str, str] = {}
+    while eng.has_unfinished:
+        for out in eng.step():
+            if out.finished:
+                texts[out.request_id] = eng.tokenizer.decode(out.token_ids)
+    assert len(texts) == N and all(text in words for text in texts.values()), texts
+    eng.block_pool.check_no_leaks()

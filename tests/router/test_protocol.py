@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.engine.grammar import GrammarSpec
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.protocol import (
     MAX_N,
@@ -171,10 +172,12 @@ USED = {
     "n",
 }  # fmt: skip
 USED |= {"result_cache"}  # the result cache's per-request opt-out (router/result_cache.py)
+# Structured output (engine/grammar.py): the request's grammar.
+USED |= {"response_format", "guided_json", "guided_regex", "guided_choice"}
 # Supported only at their no-op value; any other is a 400 naming the field.
 NO_OP_ONLY = {
     "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
-    "response_format", "modalities", "repetition_penalty",
+    "modalities", "repetition_penalty",
 }  # fmt: skip
 
 
@@ -243,15 +246,15 @@ REJECTED = [
     (CompletionRequest, {"echo": "yes"}, "echo", "Input should be False"),
     (
         CompletionRequest,
-        {"response_format": {"type": "json_object"}},
-        "response_format",
-        "response_format of type 'json_object' is not supported",
+        {"response_format": {"type": "json_mode"}},
+        "response_format.type",
+        "'text', 'json_object' or 'json_schema'",
     ),
     (
         ChatCompletionRequest,
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
         "response_format",
-        "response_format of type 'json_schema' is not supported",
+        "needs json_schema.schema",
     ),
     (ChatCompletionRequest, {"response_format": {}}, "response_format.type", "Field required"),
     (ChatCompletionRequest, {"modalities": ["text", "audio"]}, "modalities", "not supported"),
@@ -341,7 +344,49 @@ def test_missing_field_and_several_errors() -> None:
 def test_unsupported_code() -> None:
     assert rejection(completion, best_of=2).code == "unsupported_parameter"
     assert rejection(completion, temperature=9).code is None
-    assert rejection(chat, response_format={"type": "json_object"}).code == "unsupported_parameter"
+
+
+def _schema_format(schema: dict[str, Any], strict: bool = False) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": strict}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"response_format": _schema_format({"type": "nope"})}, "response_format", "Invalid type"),
+        (
+            {"response_format": _schema_format({"type": "string", "format": "x"}, strict=True)},
+            "response_format",
+            "Unknown format",
+        ),
+        ({"guided_json": {"minimum": 5, "maximum": 1, "type": "integer"}}, "guided_json", "5"),
+        ({"guided_regex": "(a"}, "guided_regex", "regex"),
+        ({"guided_choice": []}, "guided_choice", "at least 1"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "at most one"),
+    ],
+)
+def test_invalid_grammars_are_400s_naming_the_field(
+    fields: dict[str, Any], param: str, fragment: str
+) -> None:
+    # Checked with the sampling parameters, before the request reaches a worker.
+    error = rejection(lambda: to_sampling_params(chat(**fields), 10, MAX_MODEL_LEN))
+    assert (error.status_code, error.param) == (400, param), error.message
+    assert fragment in error.message
+
+
+def test_output_constraints_become_the_grammar() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = _schema_format(schema, strict=True)
+    cases = [
+        ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object")),
+        ({"response_format": fmt}, GrammarSpec.json_schema(schema, strict=True)),
+        ({"guided_json": schema}, GrammarSpec.json_schema(schema)),
+        ({"guided_regex": "[0-9]+"}, GrammarSpec("regex", "[0-9]+")),
+        ({"guided_choice": ["yes", "no"]}, GrammarSpec.choice(["yes", "no"])),
+    ]
+    for fields, want in cases:
+        for make in (chat, completion):
+            assert to_sampling_params(make(**fields), 10, MAX_MODEL_LEN).grammar == want
 
 
 def test_body_shape() -> None:
@@ -475,7 +520,7 @@ def test_json_schema_tells_what_is_rejected(cls: type[Any]) -> None:
     assert (number["minimum"], number["maximum"]) == (1, 1)
     assert _schema_of(props, "logit_bias", "object")["maxProperties"] == 0
     response_format = schema["$defs"]["ResponseFormat"]["properties"]["type"]
-    assert response_format["const"] == "text"
+    assert response_format["enum"] == ["text", "json_object", "json_schema"]
     if cls is CompletionRequest:
         assert props["suffix"]["type"] == "null"
         assert _schema_of(props, "best_of", "integer")["maximum"] == 1

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from pdserve.benchmarks.bench_report import parse_scrape, sample
 from pdserve.cluster.config import ClusterConfig
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port
+from pdserve.engine.grammar import GrammarSpec
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import result_cache as rc
 from pdserve.router.metrics import RouterMetrics
@@ -144,6 +145,7 @@ def test_a_repeat_is_answered_from_the_cache_and_anything_changed_misses(
             "greedy seed": dataclasses.replace(GREEDY, seed=1),
             "cache_salt": dataclasses.replace(GREEDY, cache_salt="tenant-b"),
             "n": dataclasses.replace(GREEDY, n=2),
+            "grammar": dataclasses.replace(GREEDY, grammar=GrammarSpec("regex", "[a-z]+")),
         }
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         # priority orders the queues, never the tokens: the one field outside the key
