@@ -814,14 +814,18 @@ def test_cached_tokens_count_prefix_hits_and_salts_keep_tenants_apart(
     shared = ids(6 * BLOCK_SIZE)
     first, second = shared + ids(5), shared + ids(3)
     assert cached_tokens(greedy(c, model, first, **salted("tenant-a"))) == 0
+    # a hit needs the blocks in the index (placement reads it): published within a beat
+    assert held_by_some_worker(name, model, first, "tenant-a") == 6
     assert cached_tokens(greedy(c, model, second, **salted("tenant-a"))) == 6 * BLOCK_SIZE
     # a prompt ending on a block boundary, under two salts: streamed usage too
     whole = ids(4 * BLOCK_SIZE)
     assert streamed_cached(whole, "tenant-a") == 0
+    held_by_some_worker(name, model, whole, "tenant-a")
     assert streamed_cached(whole, "tenant-a") == full_hit(whole) == 3 * BLOCK_SIZE
     assert held_by_some_worker(name, model, whole, "tenant-a") == 4
     assert max(matched_blocks(name, model, whole, "tenant-b")) == 0, "tenant-a's blocks leak"
     assert cached_tokens(greedy(c, model, whole, **salted("tenant-b"))) == 0
+    held_by_some_worker(name, model, whole, "tenant-b")
     assert cached_tokens(greedy(c, model, whole, **salted("tenant-b"))) == full_hit(whole)
     assert held_by_some_worker(name, model, whole, "tenant-b") == 4
     assert max(matched_blocks(name, model, whole, None)) == 0  # nothing under no salt
@@ -848,10 +852,12 @@ def test_cached_tokens_count_prefix_hits_and_salts_keep_tenants_apart(
         tenant = client(url, api_key=SALTED_KEY)
         assert cached_tokens(greedy(tenant, model, keyed)) == 0
         assert cached_tokens(greedy(c, model, keyed)) == 0  # no salt: another namespace
+        held_by_some_worker(name, model, keyed, KEY_SALT)
         assert cached_tokens(greedy(c, model, keyed, **salted(KEY_SALT))) == 3 * BLOCK_SIZE
         assert held_by_some_worker(name, model, keyed, KEY_SALT) == 3
         other = ids(2 * BLOCK_SIZE + 1)
         assert cached_tokens(greedy(tenant, model, other, **salted("tenant-a"))) == 0
+        held_by_some_worker(name, model, other, "tenant-a")
         assert cached_tokens(greedy(c, model, other, **salted("tenant-a"))) == 2 * BLOCK_SIZE
     if name.startswith("disagg"):  # the prefill workers' hits, the split happened
         assert metric(url, "pdserve_kv_transfer_blocks_total") > 0
