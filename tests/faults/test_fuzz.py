@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 
 from pdserve.engine.model_config import load_model_config
 from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
-from pdserve.router.protocol import MAX_CHAT_MESSAGES
+from pdserve.router.protocol import MAX_CHAT_MESSAGES, MAX_N
 
 MODEL_ID = "fuzz-model"
 VOCAB_SIZE = 512  # the random model's; checked against its config when the cluster starts
@@ -171,7 +171,9 @@ def check_response(tally: Tally, ex: Exchange) -> None:
         check_stream(content, where)
     elif ex.method == "POST":
         body = json.loads(content)
-        assert len(body["choices"]) == 1 and body["usage"]["completion_tokens"] >= 0, where
+        # one choice per `n` (parallel sampling: at most MAX_N)
+        assert 1 <= len(body["choices"]) <= MAX_N, where
+        assert body["usage"]["completion_tokens"] >= 0, where
 
 
 def check_stream(content: bytes, where: str) -> None:
@@ -290,7 +292,7 @@ INVALID_COMMON = {
         LONE_SURROGATES,
     ),
     "stop_token_ids": st.one_of(st.just([-1]), st.just(["1"]), st.integers()),
-    "n": st.one_of(st.integers(min_value=2), st.integers(max_value=0), st.just(10**30)),
+    "n": st.one_of(st.integers(min_value=MAX_N + 1), st.integers(max_value=0), st.just(10**30)),
     "stream": st.one_of(st.just("yes"), st.integers(2, 9)),
     "stream_options": st.one_of(st.just({"include_usage": "maybe"}), st.just([])),
     "presence_penalty": st.floats(-2, 2).filter(bool),
@@ -502,7 +504,8 @@ def test_edge_cases(cluster_url: str, http: requests.Session, tally: Tally) -> N
         ),
         # Limits.
         (COMPLETIONS, {"model": MODEL_ID, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, bad),
-        (COMPLETIONS, {"model": MODEL_ID, "prompt": "hi", "n": 2}, bad),
+        (COMPLETIONS, {"model": MODEL_ID, "prompt": "hi", "n": MAX_N + 1}, bad),
+        (COMPLETIONS, {"model": MODEL_ID, "prompt": "hi", "n": 2, "max_tokens": 2}, ok),
         (COMPLETIONS, {"model": MODEL_ID, "prompt": "hi", "logprobs": MAX_LOGPROBS + 1}, bad),
         (
             COMPLETIONS,
@@ -562,8 +565,7 @@ def test_official_client_gets_400_naming_what_is_not_implemented(
     messages: Any = [{"role": "user", "content": "Reply in JSON."}]
     chat, completions = client.chat.completions, client.completions
     attempts: list[tuple[str, str, Any]] = [
-        ("n", COMPLETIONS, lambda: completions.create(model=MODEL_ID, prompt="x", n=2)),
-        ("n", CHAT, lambda: chat.create(model=MODEL_ID, messages=messages, n=2)),
+        ("best_of", COMPLETIONS, lambda: completions.create(model=MODEL_ID, prompt="x", best_of=2)),
         (
             "tools",
             CHAT,
