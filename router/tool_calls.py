@@ -21,16 +21,18 @@ agree, for any split of the text into deltas (tests/router/test_tool_calls.py ch
 Design decisions:
 
 - One pass, character by character (`_CallObject` is a small JSON scanner: string and
-  escape state, nesting depth, the keys of the call object itself), so a feed costs its
-  own length, never the length of what came before. Text that cannot be decided yet (a
+  escape state, nesting depth, the keys of the call object itself; a string's plain runs
+  are read at once, as content up to the next `<` is), so a feed costs its own length,
+  never the length of what came before. Text that cannot be decided yet (a
   partial tag, the start of an object whose first key is not read yet) is held, and
   sent as content if it turns out not to be a call, so no text is ever lost.
 - An object is a call when its first key is "name" with a string value (after an
   optional `"type": "function"`); the call is sent as soon as the name's string closes.
   Its arguments are the first "arguments" (or "parameters") value's raw text, sent as it
   arrives (trailing whitespace held back, then dropped); a value that is a JSON string
-  (some models encode the arguments) is held and sent decoded when it closes. Other keys
-  are ignored. A call's arguments are never empty: a call that ends with none is "{}".
+  (some models encode the arguments) is held and sent decoded (and stripped) when it
+  closes. Other keys are ignored. A call's arguments are never empty: a call that ends
+  with none is "{}" (in named mode too, for an empty output).
 - Past the decision the scanner is lenient: stray text in the call object is ignored, so a
   malformed call still ends, with the arguments it had. In hermes mode a `</tool_call>`
   outside a JSON string ends the call where it stands (models drop a closing brace), and
@@ -49,7 +51,7 @@ Design decisions:
 - Nothing raises on malformed text: at worst it is content. A decoded string never holds
   a lone UTF-16 surrogate (U+FFFD instead), so the response always encodes as UTF-8.
 
-Plain Python: no torch, stdlib `json` only.
+Plain Python: no torch, the standard library only.
 """
 
 from __future__ import annotations
@@ -131,6 +133,8 @@ def _decode_partial(raw: str) -> str:
             text: str = _DECODER.decode('"' + raw[: len(raw) - cut] + '"')
         except ValueError:
             continue
+        if text and "\ud800" <= text[-1] <= "\udbff":  # a surrogate pair cut in half
+            text = text[:-1]
         return _no_lone_surrogates(text)
     return raw  # an invalid escape earlier on: the text as the model wrote it
 
@@ -533,7 +537,10 @@ class _Hermes:
             if self._match == 0 and c in _WS:
                 return True
             # no closing tag: what follows is read as outside any block
-            self._out.text(_CLOSE_TAG[: self._match])  # no "<tool_call>" can start in it
+            if self._match == 1:  # a "<" that may open the next block
+                self._state = _H_TAG
+                return False
+            self._out.text(_CLOSE_TAG[: self._match])  # "</...": no "<tool_call>" in it
             self._skip_ws = self._match == 0
             self._state = _H_TEXT
             return False
@@ -643,7 +650,8 @@ class _Sequence:
             if c == "]" and self._array:
                 if not self._called:  # "[]": no call, so it was content
                     self._held.append(c)
-                    return self._to_text()
+                    self._to_text()
+                    return True
                 self._state = _S_END
                 return True
             return self._to_text()
