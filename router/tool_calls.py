@@ -631,10 +631,18 @@ class _Sequence:
     def finish(self) -> None:
         if self._call is not None and self._call.status == _CALL:
             self._call.finish()
-        else:
+        elif not self._unfinished_call():
             self._out.text("".join(self._held))
         self._held, self._call = [], None
         self._state = _S_TEXT
+
+    def _unfinished_call(self) -> bool:
+        """Whether the held text, cut short, is a call that never got its name: inside
+        `required`'s array (the grammar allows nothing but calls there), or an object
+        after calls. Dropped: it is neither a call nor the model's prose."""
+        if self._array:
+            return self._state in (_S_ITEMS, _S_OBJECT)
+        return self._called and self._state == _S_OBJECT
 
     def _step(self, c: str) -> bool:
         state = self._state

@@ -365,6 +365,9 @@ def test_json_truncated() -> None:
     content, calls = check("json", '<|python_tag|>{"name": "f", "parameters": {"a": [1, 2')
     assert content is None
     assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": [1, 2')]
+    # a second object cut before its name is an unfinished call, not content
+    content, calls = check("json", '{"name": "f", "parameters": {}}; {"na')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
 
 
 # -- required (the server's grammar) ----------------------------------------------------
@@ -401,8 +404,13 @@ def test_required_truncated_and_malformed() -> None:
     content, calls = check("required", '[{"name": "f", "arguments": {"a": 1}]')
     assert content is None
     assert_calls(calls, [("f", {"a": 1})])
-    for text in ["[]", "no array", '{"name": "f"}', '[{"x": 1}]', "[", ""]:
+    for text in ["[]", "no array", '{"name": "f"}', '[{"x": 1}]', ""]:
         assert check("required", text) == (text, [])
+    # cut short inside the array before a call's name: an unfinished call, not content
+    content, calls = check("required", '[{"name": "f", "arguments": {}}, {"')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
+    for text in ["[", '[{"na', "[ "]:
+        assert check("required", text) == ("", [])
 
 
 # -- named (a forced function) ----------------------------------------------------------
