@@ -51,10 +51,39 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN = SPECIAL_TOKENS
 MAX_POSITION_EMBEDDINGS = 2048
 
+# ChatML, with tools as Qwen 2.5 and Hermes render them (in fewer words: a small model's
+# context is short): a system turn lists the functions' JSON schemas in <tools></tools>, an
+# assistant's calls are JSON objects in <tool_call> tags (the "hermes" tool-call format,
+# router/tool_calls.py), and a tool's result is a `tool` turn. Without tools, every
+# conversation renders exactly as the plain ChatML template the demo was trained on did.
+TOOLS_PREAMBLE = "# Tools\n\nYou may call these functions:\n<tools>"
+TOOLS_INSTRUCTIONS = (
+    "\n</tools>\n\nFor each call, return a json object within <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ " + repr(TOOLS_PREAMBLE) + " }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ " + repr(TOOLS_INSTRUCTIONS + "<|im_end|>\n") + " }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{% if message['content'] %}{{ message['content'] + '\\n' }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ call['function']['arguments'] | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

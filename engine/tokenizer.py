@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -28,6 +30,32 @@ def _token_content(value: Any) -> str | None:
 
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # As transformers' filter: plain json.dumps, not jinja's HTML-escaping `tojson` (which
+    # would turn a tool schema's "<" into "\u003c" and change the prompt's tokens).
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+_ENV = ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+)
+_ENV.filters["tojson"] = _tojson
+_ENV.globals["raise_exception"] = _raise_exception
+_ENV.globals["strftime_now"] = _strftime_now
 
 
 class Tokenizer:
@@ -50,6 +78,7 @@ class Tokenizer:
         if isinstance(self.chat_template, list):  # named templates: take "default"
             named = {t["name"]: t["template"] for t in self.chat_template}
             self.chat_template = named.get("default")
+        self._template: jinja2.Template | None = None  # compiled on first use
         self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._special_ids = {
@@ -71,9 +100,15 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
-        """Render messages with the model's jinja chat template, as `transformers` does.
+        """Render messages with the model's jinja chat template, as `transformers` does
+        (the same environment: its `tojson`, `strftime_now`, loop controls), `tools`
+        being the request's function definitions (`{"type": "function", "function":
+        {...}}`) as `apply_chat_template(tools=...)` passes them.
 
         Raises:
             InvalidRequestError: the model has no chat template or the template rejects
@@ -81,12 +116,13 @@ class Tokenizer:
         """
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use a completion")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
         try:
-            template = env.from_string(self.chat_template)
+            template = self._template or _ENV.from_string(self.chat_template)
+            self._template = template
             return template.render(
                 messages=list(messages),
+                tools=None if tools is None else list(tools),
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -95,10 +131,13 @@ class Tokenizer:
             raise InvalidRequestError(f"chat template rejected the messages: {exc}") from exc
 
     def encode_chat(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         # NOTE: the rendered template already holds bos; HF tokenizes it without special tokens.
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)
 
 

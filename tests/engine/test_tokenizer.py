@@ -117,6 +117,66 @@ def test_encode_chat_equals_transformers(
     assert ids.count(tokenizer.token_to_id("<s>")) == 1  # bos comes from the template only
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather <now> & 'later', in °C",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "time"}},
+]
+TOOL_TURNS: list[dict[str, Any]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Köln?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "a",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            },
+            {
+                "id": "b",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Köln", "days": 2}},
+            },
+        ],
+    },
+    {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "b", "content": "rain"},
+]
+
+
+@pytest.mark.parametrize("turns", [2, 3, 5])
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_tools_and_calls_render_like_transformers(
+    tokenizer: Tokenizer, hf_tokenizer: Any, turns: int, tools: Any
+) -> None:
+    """`tools` and a history of calls and results, through the template as
+    `apply_chat_template(tools=...)` renders them: its `tojson` (no HTML escaping, so
+    "<", "&" and "'" stay as written), the same ids."""
+    messages = TOOL_TURNS[:turns]
+    text = tokenizer.apply_chat_template(messages, tools=tools)
+    want = hf_tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert text == want
+    if tools:
+        assert "Weather <now> & 'later', in °C" in text and "<tool_call>" in text
+    assert tokenizer.encode_chat(messages, tools=tools) == hf_tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
 def test_no_chat_template_is_an_invalid_request(demo_model_dir: Path, tmp_path: Path) -> None:
     tokenizer = Tokenizer(_copy_tokenizer(demo_model_dir, tmp_path / "tok", chat_template=None))
     with pytest.raises(InvalidRequestError, match="chat template"):
