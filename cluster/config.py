@@ -48,6 +48,7 @@ Mode = Literal["disagg", "colocated"]
 Transport = Literal["grpc", "ucx"]
 Placement = Literal["prefix-aware", "round-robin", "random"]
 DisaggPolicy = Literal["conditional", "always"]
+ToolCallParserName = Literal["auto", "hermes", "json", "none"]
 ROLES = ("prefill", "decode")
 
 
@@ -194,6 +195,7 @@ class ModelSpec(BaseModel):
 
     model: str = Field(description="HF model folder, readable on every node")
     served_model_name: str | None = None
+    tool_call_parser: ToolCallParserName | None = None
     mode: Mode | None = None
     prefill_replicas: int | None = Field(default=None, ge=0)
     decode_replicas: int | None = Field(default=None, ge=1)
@@ -246,6 +248,11 @@ class ClusterConfig(BaseModel):
     served_model_name: str | None = Field(
         default=None, description="the model id clients send (default: the folder name)"
     )
+    # How `tool_choice: "auto"` finds calls in the model's output (router/tool_calls.py):
+    # "hermes" (JSON in <tool_call> tags: Qwen 2.5, Hermes), "json" (a JSON object:
+    # Llama 3.x), "none" (auto is a 400; required and named functions still work), or
+    # "auto": from the chat template (<tool_call> -> hermes, <|python_tag|> -> json).
+    tool_call_parser: ToolCallParserName = "auto"
     # Routed model names (cluster/model_routes.py): a name clients send, mapped by the
     # operator's rules (prompt length, max_tokens, header, metadata tag, canary share) to
     # one of the served models.

@@ -190,6 +190,7 @@ def _up(args: argparse.Namespace) -> int:
         prefill_cpus=args.prefill_cpus,
         decode_cpus=args.decode_cpus,
         routes=_routes_file(args.routes_file),
+        tool_call_parser=args.tool_call_parser,
         prefill_autoscaling=_json_arg(args.prefill_autoscaling),
         decode_autoscaling=_json_arg(args.decode_autoscaling),
         kv_tls=_kv_tls(args),
@@ -449,6 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--routes-file",
         default=None,
         help="YAML list of routed model names and their rules (the `routes` field)",
+    )
+    up.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "json", "none"],
+        default="auto",
+        help="the format tool_choice=auto parses calls from (default: from the chat template)",
     )
     up.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
     up.add_argument("--transport", choices=["grpc", "ucx"], default="grpc")

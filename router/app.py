@@ -55,6 +55,13 @@ from pdserve.router.protocol import (
 )
 from pdserve.router.result_cache import HEADER as RESULT_CACHE_HEADER
 from pdserve.router.result_cache import CachePlan, ResultCache
+from pdserve.router.tool_calls import (
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+    ToolMode,
+    parse_tool_calls,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,10 +173,52 @@ class _Request:
         self.route: Picked | None = None  # the route rule that picked it, if one did
         self.cache: CachePlan | None = None  # the result cache's plan (when it is on)
         self.cached_tokens = 0  # prompt tokens a prefix cache served (router/prefix_cache.py)
+        # how its output holds tool calls (router/tool_calls.py); None: plain content
+        self.tool_mode: ToolMode | None = None
+        self.tool_name: str | None = None  # the function a "named" tool_choice forces
 
 
 def _hit(r: _Request) -> bool:
     return r.cache is not None and r.cache.hit
+
+
+def _tool_finish(r: _Request, finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" when the model stopped after calling (auto,
+    required); a named function's forced call stays "stop", as OpenAI returns it."""
+    if called and finish_reason == "stop" and r.tool_mode != "named":
+        return "tool_calls"
+    return finish_reason
+
+
+def _tool_delta(parser: ToolCallParser, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """The streamed delta of a choice whose output may hold calls: its content text and
+    call pieces from `text` (everything held back flushed when the choice finishes)."""
+    parsed = parser.feed(text)
+    content, calls = parsed.content, list(parsed.calls)
+    if finish_reason is not None:
+        tail = parser.finish()
+        content, calls = content + tail.content, calls + tail.calls
+    delta: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [_call_delta_json(call) for call in calls]
+    return delta
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def _call_delta_json(delta: ToolCallDelta) -> dict[str, Any]:
+    """A streamed call piece, as OpenAI streams it: id, type and name on a call's first
+    piece, then `arguments` fragments, all keyed by the call's `index`."""
+    entry: dict[str, Any] = {"index": delta.index}
+    function: dict[str, Any] = {"arguments": delta.arguments}
+    if delta.id is not None:
+        entry |= {"id": delta.id, "type": "function"}
+    if delta.name is not None:
+        function = {"name": delta.name, **function}
+    return {**entry, "function": function}
 
 
 POOL_HEALTH_TIMEOUT_S = 2.0  # per pool, when /health must ask the pools directly
@@ -433,7 +482,9 @@ class Router:
 
         def tokenize(served: ServedModel) -> list[int]:
             try:
-                return served.tokenizer.encode_chat(req.chat_messages(), req.add_generation_prompt)
+                return served.tokenizer.encode_chat(
+                    req.chat_messages(), req.add_generation_prompt, req.template_tools()
+                )
             except InvalidRequestError as exc:
                 raise ProtocolError(str(exc), param="messages") from exc
 
@@ -441,6 +492,19 @@ class Router:
         params = to_sampling_params(req, len(ids), served.max_model_len)
         r = _Request("chat", req, ids, params, arrival)
         r.served, r.route = served, route
+        mode = req.tool_mode()
+        if mode == "auto":
+            if served.tool_format is None:
+                raise ProtocolError(
+                    f"tool_choice 'auto' (the default with tools) needs the model's tool-call "
+                    f"format, and {served.model_id!r} has none (its chat template shows no "
+                    "known one; the operator sets it with --tool-call-parser); send "
+                    "tool_choice 'required', a named function, or 'none'",
+                    param="tool_choice",
+                )
+            r.tool_mode = served.tool_format
+        elif mode is not None:
+            r.tool_mode, r.tool_name = mode, req.named_function()
         return r
 
     def _pick_model(
@@ -640,7 +704,9 @@ class Router:
                 choice["text"] = "".join(text[i])
                 choice["logprobs"] = self._completion_logprobs(r, lps) if lps else None
             else:
-                choice["message"] = {"role": "assistant", "content": "".join(text[i])}
+                choice["message"] = self._message(r, "".join(text[i]))
+                called = "tool_calls" in choice["message"]
+                choice["finish_reason"] = _tool_finish(r, finish_reasons[i], called)
                 choice["logprobs"] = self._chat_logprobs(r, lps) if lps else None
             if r.req.return_token_ids:
                 choice["token_ids"] = token_ids[i]
@@ -657,6 +723,16 @@ class Router:
             body["prompt_token_ids"] = r.prompt_ids
         return JSONResponse(body)
 
+    def _message(self, r: _Request, text: str) -> dict[str, Any]:
+        """A chat choice's message: the text, or (tools) its content and parsed calls."""
+        if r.tool_mode is None:
+            return {"role": "assistant", "content": text}
+        content, calls = parse_tool_calls(r.tool_mode, text, r.tool_name)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [_call_json(call) for call in calls]
+        return message
+
     async def _stream(
         self, r: _Request, items: AsyncIterator[dict[str, Any]]
     ) -> AsyncIterator[str]:
@@ -667,6 +743,11 @@ class Router:
         num_tokens = 0
         last_token_s: float | None = None
         finish_reason = None
+        parsers = (
+            [ToolCallParser(r.tool_mode, r.tool_name) for _ in range(r.params.n)]
+            if r.tool_mode is not None
+            else []
+        )
         try:
             if r.kind == "chat":
                 delta = {"role": "assistant", "content": ""}
@@ -695,6 +776,11 @@ class Router:
                 if r.kind == "completion":
                     choice["text"] = item["text"]
                     choice["logprobs"] = self._completion_logprobs(r, lps) if lps else None
+                elif parsers:
+                    parser = parsers[choice["index"]]
+                    choice["delta"] = _tool_delta(parser, item["text"], item["finish_reason"])
+                    choice["finish_reason"] = _tool_finish(r, item["finish_reason"], parser.called)
+                    choice["logprobs"] = self._chat_logprobs(r, lps) if lps else None
                 else:
                     choice["delta"] = {"content": item["text"]} if item["text"] else {}
                     choice["logprobs"] = self._chat_logprobs(r, lps) if lps else None

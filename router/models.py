@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from opentelemetry.trace import Tracer
 
@@ -55,6 +55,7 @@ class ServedModel:
         index = PrefixIndex(redis, config.model_id, config.worker_lease_s)
         self.core = RouterCore(config, prefill, decode, index, tracer, metrics)
         self.token_text: Callable[[int], str] = lru_cache(maxsize=65536)(self._decode_one)
+        self.tool_format = tool_format(config.tool_call_parser, self.tokenizer.chat_template)
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -68,6 +69,22 @@ class ServedModel:
             "owned_by": "pdserve",
             "max_model_len": self.max_model_len,
         }
+
+
+def tool_format(parser: str, chat_template: str | None) -> Literal["hermes", "json"] | None:
+    """The format `tool_choice: "auto"` parses calls from (router/tool_calls.py): the
+    configured one, or ("auto") the one the chat template writes calls in: <tool_call>
+    tags (Qwen 2.5, Hermes) -> "hermes"; Llama 3.x's <|python_tag|> -> "json". None:
+    no format known (auto is then a 400)."""
+    if parser == "hermes":
+        return "hermes"
+    if parser == "json":
+        return "json"
+    if parser == "none" or not chat_template:
+        return None
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    return "json" if "<|python_tag|>" in chat_template else None
 
 
 def pool_handles(config: ClusterConfig) -> tuple[Any | None, Any]:

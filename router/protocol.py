@@ -8,7 +8,9 @@ field); `to_sampling_params` checks the tokenized prompt against the model's con
 builds the engine's `SamplingParams`. Plain Python: no torch (docs/architecture.md, "Layout").
 
 Supported: one prompt per request (a string, token ids, or a list holding exactly one
-of either); chat messages with string content or text parts; temperature, top_p, seed,
+of either); chat messages with string content or text parts, an assistant's tool_calls and
+a tool's tool_call_id; tools with tool_choice none, auto, required or a named function,
+and parallel_tool_calls (chat only: router/tool_calls.py); temperature, top_p, seed,
 stop, max_tokens / max_completion_tokens, logprobs, streaming with
 ``stream_options.include_usage``. Extensions (as in vLLM): top_k, stop_token_ids,
 ignore_eos, return_token_ids, add_generation_prompt, cache_salt (the prompt's prefix-cache
@@ -19,17 +21,16 @@ its grammar checked here (engine/grammar.py), a bad one a 400 naming the field.
 
 A request never silently loses meaning: every field that would change what the output
 is or means, and that the router does not implement, gets a 400 naming it (``param``),
-never a 200 that ignores it. So a client that asks for JSON (``response_format``) or tool
-calls does not receive free text it would take for an answer. Rejected with
+never a 200 that ignores it. So a client that asks for what is not implemented never
+receives free text it would take for an answer. Rejected with
 ``code: "unsupported_parameter"``: batched prompts, best_of > 1, echo, suffix,
 non-zero presence/frequency penalties, a repetition_penalty other than 1 (vLLM's
 extension), a non-empty logit_bias, modalities other than text, non-text content parts
-(images, audio), and any non-null value of the `NOT_IMPLEMENTED` fields (tools,
-tool_choice, parallel_tool_calls, functions, function_call, prediction, audio,
-reasoning_effort, verbosity, web_search_options; in messages: tool_calls, tool_call_id,
-function_call). logprobs beyond `MAX_LOGPROBS` fail the schema's bound. The schema says
-all of it (null-only types, maximum 1, maxProperties 0, ...), so /openapi.json tells the
-truth.
+(images, audio), and any non-null value of the `NOT_IMPLEMENTED` fields (functions,
+function_call, prediction, audio, reasoning_effort, verbosity, web_search_options; tools,
+tool_choice and parallel_tool_calls in completions; in messages: function_call, refusal).
+logprobs beyond `MAX_LOGPROBS` fail the schema's bound. The schema says all of it
+(null-only types, maximum 1, maxProperties 0, ...), so /openapi.json tells the truth.
 
 Fields that cannot change the output are accepted and ignored (`NO_EFFECT`): user,
 metadata, store (nothing is stored), service_tier, prompt_cache_key, safety_identifier,
@@ -46,6 +47,7 @@ routinely send belong in `NO_EFFECT`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -85,6 +87,7 @@ __all__ = [
 ]
 
 MAX_CHAT_MESSAGES = 1024
+MAX_TOOLS = 128  # OpenAI's own bound on `tools`
 # `n` (parallel sampling): each choice is a sequence in the decode worker's batch and
 # holds the prompt's last block of its own; a bound keeps one request from taking a batch
 MAX_N = 16
@@ -188,9 +191,6 @@ _CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 # Fields of OpenAI's API that change what the output is or means and that this server does
 # not implement: typed null (absent), any other value is a 400 naming the field.
 NOT_IMPLEMENTED = (
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
     "functions",
     "function_call",
     "prediction",
@@ -323,9 +323,6 @@ class _SamplingRequest(BaseModel):
     )
     modalities: list[Literal["text"]] | None = Field(None, description="Only text.")
     # NOT_IMPLEMENTED: null, or a 400 naming the field.
-    tools: None = Field(None, description=_NOT_SUPPORTED_DOC)
-    tool_choice: None = Field(None, description=_NOT_SUPPORTED_DOC)
-    parallel_tool_calls: None = Field(None, description=_NOT_SUPPORTED_DOC)
     functions: None = Field(None, description=_NOT_SUPPORTED_DOC)
     function_call: None = Field(None, description=_NOT_SUPPORTED_DOC)
     prediction: None = Field(None, description=_NOT_SUPPORTED_DOC)
@@ -479,7 +476,14 @@ class CompletionRequest(_SamplingRequest):
             raise PydanticCustomError("invalid_value", "token ids must be >= 0")
         return prompt
 
-    _check_suffix = field_validator("suffix", mode="before")(_reject_unless_null)
+    # Tool calling is a chat feature (OpenAI's completions API has none): null only here.
+    tools: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    tool_choice: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    parallel_tool_calls: None = Field(None, description=_NOT_SUPPORTED_DOC)
+
+    _check_suffix = field_validator(
+        "suffix", "tools", "tool_choice", "parallel_tool_calls", mode="before"
+    )(_reject_unless_null)
 
     @field_validator("echo", mode="before")
     @classmethod
@@ -515,19 +519,86 @@ class ContentPart(BaseModel):
     text: str
 
 
+# A function's name, as OpenAI bounds it: what a tool call's `name` must match exactly.
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _CONFIG
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="A JSON schema of the arguments object; null: no arguments."
+    )
+    strict: bool | None = Field(
+        None,
+        description="true: schema keywords the grammar cannot enforce are a 400 (when the"
+        " schema is enforced: tool_choice required or this function).",
+    )
+
+    def arguments_schema(self) -> dict[str, Any]:
+        if self.parameters is None:
+            return {"type": "object", "properties": {}, "additionalProperties": False}
+        return self.parameters
+
+
+class Tool(BaseModel):
+    """One entry of `tools`: a function the model may call."""
+
+    model_config = _CONFIG
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionRef(BaseModel):
+    model_config = _CONFIG
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function the model must call."""
+
+    model_config = _CONFIG
+
+    type: Literal["function"]
+    function: FunctionRef
+
+
+class ToolCallFunction(BaseModel):
+    model_config = _CONFIG
+
+    name: str
+    arguments: str = Field(description="The arguments object as JSON text.")
+
+
+class ToolCallEntry(BaseModel):
+    """A call in an assistant message of the history (as a response returned it)."""
+
+    model_config = _CONFIG
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _CONFIG
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # Tool calling is not implemented: a history holding calls or their results would lose
-    # them in the template, so they are rejected, not dropped.
-    tool_calls: None = Field(None, description=_NOT_SUPPORTED_DOC)
-    tool_call_id: None = Field(None, description=_NOT_SUPPORTED_DOC)
+    # A history's calls go back through the template as the model wrote them (assistant)
+    # and their results as `tool` turns naming the call they answer.
+    tool_calls: list[ToolCallEntry] | None = Field(None, description="Assistant messages only.")
+    tool_call_id: str | None = Field(None, description="Tool messages: the call answered.")
+    refusal: None = Field(None, description="Null only (as an assistant message echoes it).")
+    annotations: list[Any] | None = Field(None, description=_NO_EFFECT_DOC)
     function_call: None = Field(None, description=_NOT_SUPPORTED_DOC)
 
-    _check_tools = field_validator("tool_calls", "tool_call_id", "function_call", mode="before")(
+    _check_function_call = field_validator("function_call", "refusal", mode="before")(
         _reject_unless_null
     )
 
@@ -544,11 +615,63 @@ class ChatMessage(BaseModel):
                 )
         return _validate_union(value, handler, "a string or a list of text parts")
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _check_tool_calls(
+        cls, value: list[ToolCallEntry] | None, info: ValidationInfo
+    ) -> list[ToolCallEntry] | None:
+        if value is not None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("invalid_value", "only assistant messages hold tool_calls")
+        for call in value or ():
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise PydanticCustomError(
+                    "invalid_value",
+                    "the arguments of call '{id}' are not a JSON object",
+                    {"id": call.id},
+                )
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _check_tool_call_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("role") != "tool":
+            raise PydanticCustomError("invalid_value", "only tool messages hold tool_call_id")
+        return value
+
     def text(self) -> str:
         """The content as one string; text parts are joined with newlines, as vLLM does."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (as `transformers` documents it): calls'
+        arguments as objects, not JSON text; `name`, `tool_calls` and `tool_call_id` only
+        where given; an assistant's content None when it only called tools."""
+        entry: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            entry["name"] = self.name
+        if self.tool_calls:
+            if self.content is None:
+                entry["content"] = None
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": json.loads(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            entry["tool_call_id"] = self.tool_call_id
+        return entry
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -562,6 +685,129 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs.")
     add_generation_prompt: bool = Field(True, description="Extension, passed to the template.")
+    tools: list[Tool] | None = Field(
+        None,
+        max_length=MAX_TOOLS,
+        description="Functions the model may call, rendered by the model's chat template.",
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="none: no calls parsed; auto (the default with tools): calls parsed from"
+        " the output in the model's format; required, or a named function: the output is"
+        " held by a grammar to valid calls of the declared functions.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call (enforced under required)."
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [tool.function.name for tool in value or ()]
+        if len(set(names)) < len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise PydanticCustomError(
+                "invalid_value", "function names must be unique; '{name}' repeats", {"name": dup}
+            )
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(
+        cls, value: str | NamedToolChoice | None, info: ValidationInfo
+    ) -> str | NamedToolChoice | None:
+        tools = info.data.get("tools")
+        if value is None or value == "none":
+            return value
+        if not tools:
+            raise PydanticCustomError("invalid_value", "only allowed when tools are given")
+        if isinstance(value, NamedToolChoice) and value.function.name not in {
+            tool.function.name for tool in tools
+        }:
+            raise PydanticCustomError(
+                "invalid_value",
+                "names the function '{name}', which is not in tools",
+                {"name": value.function.name},
+            )
+        return value
+
+    def tool_mode(self) -> Literal["auto", "required", "named"] | None:
+        """How the output holds calls: None (no tools, or tool_choice none: plain
+        content), "auto" (parsed in the model's format), "required" (a JSON array of
+        calls, under a grammar) or "named" (the named function's arguments object, under
+        a grammar)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    def named_function(self) -> str | None:
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """`tools` as the chat template takes them: as the client sent them."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools]
+
+    def tool_grammar(self) -> GrammarSpec | None:
+        """The grammar that holds the output to valid calls (required, a named function),
+        else None. Required: a JSON array of `{"name": ..., "arguments": {...}}` objects,
+        each one declared function's name with arguments valid under its parameters (one
+        element at most when parallel_tool_calls is false). Named: that function's
+        arguments object itself. Raises ProtocolError (400, param "tools") for a
+        parameters schema the grammar engine refuses."""
+        mode = self.tool_mode()
+        if mode not in ("required", "named"):
+            return None
+        tools = [tool.function for tool in self.tools or ()]
+        try:  # a strict function's schema must be enforceable whole, each on its own
+            for function in tools:
+                if function.strict:
+                    GrammarSpec.json_schema(function.arguments_schema(), strict=True).check()
+        except InvalidRequestError as exc:
+            raise ProtocolError(f"tools: {function.name}: {exc}", param="tools") from exc
+        strict = all(f.strict for f in tools)
+        if mode == "named":
+            function = next(f for f in tools if f.name == self.named_function())
+            schema: dict[str, Any] = function.arguments_schema()
+            strict = bool(function.strict)
+        else:
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": f.name}, "arguments": f.arguments_schema()},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for f in tools
+            ]
+            schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+            if self.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+        try:
+            spec = GrammarSpec.json_schema(schema, strict)
+            spec.check()
+        except InvalidRequestError as exc:
+            raise ProtocolError(f"tools: {exc}", param="tools") from exc
+        return spec
+
+    def grammar(self) -> GrammarSpec | None:
+        """The output constraint: the tools' (required, a named function) or the one of
+        response_format / guided_* (`_SamplingRequest.grammar`); both at once is a 400."""
+        tool = self.tool_grammar()
+        other = super().grammar()
+        if tool is None:
+            return other
+        if other is not None:
+            raise ProtocolError(
+                "tool_choice required or a named function already constrains the output; "
+                "it cannot be combined with response_format or guided_*",
+                param="tool_choice",
+            )
+        return tool
 
     @field_validator("top_logprobs")
     @classmethod
@@ -570,13 +816,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise PydanticCustomError("invalid_value", "requires logprobs to be true")
         return value
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (`name` only where given)."""
-        messages = []
-        for message in self.messages:
-            entry = {"role": message.role, "content": message.text()}
-            messages.append(entry if message.name is None else {**entry, "name": message.name})
-        return messages
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (`ChatMessage.for_template`)."""
+        return [message.for_template() for message in self.messages]
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)

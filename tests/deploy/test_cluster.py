@@ -85,7 +85,8 @@ def make_prompts(seed: int, n: int = 8, prefix_blocks: int = 10) -> list[list[in
 
 @pytest.fixture(scope="module")
 def model_dir(make_checkpoint: Any) -> Path:
-    return Path(make_checkpoint(num_heads=4, num_kv_heads=2, max_position_embeddings=512))
+    # 1024 positions: a prompt listing tools (test_tool_calls_...) takes about 550
+    return Path(make_checkpoint(num_heads=4, num_kv_heads=2, max_position_embeddings=1024))
 
 
 @pytest.fixture(scope="module", params=list(CLUSTERS))
@@ -562,7 +563,7 @@ def test_bad_requests_get_openai_errors_and_the_ttft_breakdown_is_complete(
         ({"temperature": 7}, openai.BadRequestError, "temperature"),
         ({"n": 17}, openai.BadRequestError, "n"),  # past MAX_N
         ({"max_tokens": 10_000}, openai.BadRequestError, "max_tokens"),
-        ({"prompt": list(range(600))}, openai.BadRequestError, "prompt"),  # > context
+        ({"prompt": [5] * 1100}, openai.BadRequestError, "prompt"),  # > context
         ({"prompt": [5, 10**6]}, openai.BadRequestError, "prompt"),  # outside the vocab
     ]
     for override, error, param in bad:
@@ -1019,4 +1020,224 @@ def test_structured_output_validates_and_the_first_token_is_constrained(
     if name.startswith("disagg"):
         assert metric(url, "pdserve_kv_transfer_blocks_total") > blocks0
         assert _local_prefills(url) == local0
+    assert_workers_idle(url)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Today's weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ALARM = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                "label": {"enum": ["work", "gym"]},
+            },
+            "required": ["hour", "label"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, ALARM]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+# What a model that calls tools writes (hermes: JSON in <tool_call> tags), forced by a
+# guided_choice of this one string: only then does a random model's output hold calls.
+CRAFTED = (
+    "Checking both.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 7, "label": "gym"}}\n</tool_call>'
+)
+TOOL_REQUESTS_PER_CLUSTER = 12
+
+
+def _calls_of(out: Any, stream: bool) -> tuple[str | None, list[tuple[str, str, str]], Any]:
+    """(content, [(id, name, arguments)], finish_reason) of a chat response through the
+    client's typed objects, streamed deltas put together as a client does."""
+    if not stream:
+        message = out.choices[0].message
+        calls = [(t.id, t.function.name, t.function.arguments) for t in message.tool_calls or []]
+        return message.content, calls, out.choices[0].finish_reason
+    content, finish = None, None
+    parts: dict[int, list[str]] = {}
+    for chunk in out:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            if choice.delta.content:
+                content = (content or "") + choice.delta.content
+            for delta in choice.delta.tool_calls or []:
+                if delta.index not in parts:  # a call's first piece: id and name
+                    assert delta.id and delta.function and delta.function.name, delta
+                    parts[delta.index] = [delta.id, delta.function.name, ""]
+                else:
+                    assert delta.id is None and delta.function and not delta.function.name
+                parts[delta.index][2] += delta.function.arguments or ""
+    return content, [(p[0], p[1], p[2]) for _, p in sorted(parts.items())], finish
+
+
+FORCED = ("required-one", "required-many", "named", "named")
+
+
+def _forced_call(c: openai.OpenAI, model: str, i: int) -> tuple[Any, ...]:
+    """Request i: tool_choice required (parallel_tool_calls false: one call; or several
+    calls, cut at 160 tokens: a random model need not close its list) or a named
+    function; streamed for i in 4..7, sampled with seed i."""
+    kind = FORCED[i % 4]
+    choice: Any = "required"
+    kw: dict[str, Any] = {}
+    if kind == "named":
+        choice = {"type": "function", "function": {"name": TOOLS[i // 4 % 2]["function"]["name"]}}
+    elif kind == "required-one":
+        kw["parallel_tool_calls"] = False
+    else:
+        kw["max_tokens"] = 160
+    stream = i // 4 == 1
+    out = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": f"Request {i}: weather, or an alarm?"}],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=choice,
+        seed=i,
+        temperature=1.0,
+        stream=stream,
+        extra_body={"result_cache": False},
+        **kw,
+    )
+    return (kind, choice, *_calls_of(out, stream))
+
+
+def test_tool_calls_are_forced_parsed_and_go_back_through_the_template(
+    cluster: tuple[str, str], model_dir: Path
+) -> None:
+    """Tools through the cluster, read by the official client's typed objects:
+    tool_choice required and a named function always give calls to declared functions
+    whose arguments validate (a random model, so only the grammar makes them valid); auto
+    parses calls out of an output that holds them (forced by a guided_choice), streamed
+    and not alike; the calls and their results go back through the chat template exactly
+    as transformers renders them."""
+    import concurrent.futures
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    name, url = cluster
+    c = client(url)
+    model = c.models.list().data[0].id
+    blocks0 = metric(url, "pdserve_kv_transfer_blocks_total")
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(
+            pool.map(lambda i: _forced_call(c, model, i), range(TOOL_REQUESTS_PER_CLUSTER))
+        )
+    ids: set[str] = set()
+    for kind, choice, content, calls, finish in answers:
+        assert content is None, (name, kind, choice, content, calls, finish)
+        assert calls, (name, choice)
+        if kind == "required-many" and finish == "length":
+            calls = calls[:-1]  # cut short: the last call may be unfinished
+        else:
+            assert finish == ("stop" if kind == "named" else "tool_calls"), (name, kind, finish)
+        if kind != "required-many":
+            assert len(calls) == 1, (name, calls)
+        for call_id, function, arguments in calls:
+            if kind == "named":
+                assert function == choice["function"]["name"]
+            jsonschema.validate(json.loads(arguments), PARAMETERS[function])
+            assert call_id.startswith("call_") and call_id not in ids
+            ids.add(call_id)
+    assert any(len(a[3]) > 1 for a in answers), "no request made parallel calls"
+
+    # auto: the calls written in the model's format are parsed, streamed or not
+    messages: list[Any] = [{"role": "user", "content": "Weather in Oslo, and wake me at 7"}]
+    want_calls = [
+        ("get_weather", {"city": "Oslo", "days": 2}),
+        ("set_alarm", {"hour": 7, "label": "gym"}),
+    ]
+    answers = []
+    for stream in (False, True):
+        out = c.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=TOOLS,  # type: ignore[arg-type]
+            stream=stream,
+            temperature=0,
+            extra_body={"guided_choice": [CRAFTED], "result_cache": False},
+        )
+        content, calls, finish = _calls_of(out, stream)
+        assert finish == "tool_calls" and content is not None, (name, finish, content)
+        assert content.strip() == "Checking both."
+        assert [(f, json.loads(a)) for _, f, a in calls] == want_calls
+        answers.append((content, [(f, a) for _, f, a in calls]))
+        if not stream:
+            first = out.choices[0].message
+    assert answers[0] == answers[1], "streamed and non-streamed calls differ"
+    # auto on an output with no call is plain content; tool_choice none parses nothing
+    for extra in ({}, {"tool_choice": "none"}):
+        out = c.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=TOOLS,  # type: ignore[arg-type]
+            temperature=0,
+            extra_body={"guided_choice": [CRAFTED if extra else "No calls."]},
+            **extra,
+        )
+        want = CRAFTED if extra else "No calls."
+        assert out.choices[0].message.content == want and not out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "stop"
+
+    # the next turn: the typed assistant message as the client hands it back, then results
+    assert first.tool_calls
+    results = [
+        {"role": "tool", "tool_call_id": call.id, "content": f"result {i}"}
+        for i, call in enumerate(first.tool_calls)
+    ]
+    turn = c.chat.completions.create(
+        model=model,
+        messages=[*messages, first, *results],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    history = [
+        *messages,
+        {
+            "role": "assistant",
+            "content": first.content,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": json.loads(call.function.arguments),
+                    },
+                }
+                for call in first.tool_calls
+            ],
+        },
+        *results,
+    ]
+    want_prompt = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        history, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert turn.model_extra["prompt_token_ids"] == list(want_prompt)
+    assert turn.choices[0].message.content
+    if name.startswith("disagg"):
+        assert metric(url, "pdserve_kv_transfer_blocks_total") > blocks0
     assert_workers_idle(url)

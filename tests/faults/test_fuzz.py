@@ -255,6 +255,36 @@ STOP = st.one_of(
     st.lists(st.text(min_size=1, max_size=8), max_size=MAX_STOP_STRINGS),
 )
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+}
+CITY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "city",
+        "description": "A city's <facts>",
+        "parameters": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 4}, "n": {"enum": [1, 2]}},
+            "required": ["name"],
+        },
+    },
+}
+TOOL_FIELDS = {
+    "tool_choice": st.sampled_from(
+        ["auto", "none", "required", {"type": "function", "function": {"name": "city"}}]
+    ),
+    "parallel_tool_calls": st.booleans(),
+}
+# A history's calls and their results (assistant tool_calls, tool tool_call_id).
+BAD_ARGUMENTS = {"name": "city", "arguments": "["}  # not JSON
+CALL = {"id": "call_1", "type": "function", "function": {"name": "city", "arguments": '{"n": 1}'}}
+TOOL_TURNS = [
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"name": "Oslo"}'},
+]
+
 VALID_COMMON = {
     "temperature": st.one_of(st.floats(0, 2), TINY_FLOATS, st.none()),
     "top_p": st.one_of(st.floats(0, 1, exclude_min=True), TINY_FLOATS, st.none()),
@@ -271,7 +301,7 @@ VALID_COMMON = {
     "presence_penalty": st.sampled_from([0, 0.0, None]),
     "logit_bias": st.sampled_from([{}, None]),
     "response_format": st.sampled_from([{"type": "text"}, None]),
-    "tools": st.none(),  # null is absent; any tools are a 400 (INVALID_COMMON)
+    "tools": st.none(),  # null is absent (chat_bodies adds real tools)
 }
 # An invalid JSON schema: a 400 naming response_format (structured output, engine/grammar.py).
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
@@ -302,8 +332,20 @@ INVALID_COMMON = {
     "response_format": st.sampled_from(
         [{"type": "json_mode"}, {"type": "json_schema", "json_schema": {"name": "x"}}, BAD_SCHEMA]
     ),
-    "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
-    "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    # Tools: chat serves them (chat_bodies), completions has none (any non-null, a 400);
+    # these are 400s in both.
+    "tools": st.sampled_from(
+        [
+            [{"type": "function", "function": {"name": "bad name!"}}],
+            [{"type": "retrieval"}],
+            "f",
+            [WEATHER_TOOL, WEATHER_TOOL],  # the same name twice
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+        ]
+    ),
+    "tool_choice": st.sampled_from(
+        ["sometimes", 5, {"type": "function", "function": {"name": "no_such_function"}}]
+    ),
     "unknown_field": st.one_of(st.integers(), TEXT, st.none()),  # unknown: a 400, not ignored
     "max_tokens": st.one_of(
         st.integers(max_value=0), st.integers(min_value=MAX_MODEL_LEN), st.just("16"), st.just(1.5)
@@ -342,6 +384,10 @@ INVALID_MESSAGES = st.one_of(
     st.just([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
     st.just([{"role": "user", "content": [{"type": "text"}]}]),
     st.just([{"role": "user", "content": 5}]),
+    st.just([{"role": "user", "tool_calls": [CALL]}]),  # calls are an assistant's
+    st.just([{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f"}}]}]),
+    st.just([{"role": "user", "content": "x", "tool_call_id": "call_1"}]),
+    st.just([{"role": "assistant", "tool_calls": [{**CALL, "function": BAD_ARGUMENTS}]}]),
     LONE_SURROGATES.map(lambda s: [{"role": "user", "content": s}]),
     st.just([{"role": "user", "content": "word " * MAX_MODEL_LEN}]),  # past the context
 )
@@ -385,6 +431,11 @@ def chat_bodies(draw: st.DrawFn) -> dict[str, Any]:
         body["logprobs"] = True
         body |= draw(st.fixed_dictionaries({}, optional={"top_logprobs": st.integers(0, 20)}))
     body |= draw(st.fixed_dictionaries({}, optional={"add_generation_prompt": st.booleans()}))
+    if draw(st.booleans()):  # tools, with any tool_choice, and maybe calls in the history
+        body["tools"] = [WEATHER_TOOL, CITY_TOOL]
+        body |= draw(st.fixed_dictionaries({}, optional=TOOL_FIELDS))
+        if draw(st.booleans()):
+            body["messages"] = [body["messages"][0], *TOOL_TURNS]
     invalid = INVALID_COMMON | {
         "messages": INVALID_MESSAGES,
         "max_completion_tokens": INVALID_COMMON["max_tokens"],
@@ -535,7 +586,8 @@ def test_edge_cases(cluster_url: str, http: requests.Session, tally: Tally) -> N
     for path, body in [
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": BAD_SCHEMA}),
         (COMPLETIONS, {"prompt": "x", "suffix": "y"}),
-        (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER_TOOL]}),
+        (COMPLETIONS, {"prompt": "x", "tools": [WEATHER_TOOL]}),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "functions": [WEATHER_TOOL]}),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "frobnicate": True}),
     ]:
         resp = send(http, tally, cluster_url, path, {"model": MODEL_ID, **body})
@@ -551,12 +603,6 @@ def test_edge_cases(cluster_url: str, http: requests.Session, tally: Tally) -> N
         send(http, tally, cluster_url, path, b"{}", method=method)
 
 
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
-}
-
-
 def test_official_client_gets_400_naming_what_is_not_implemented(
     cluster_url: str, tally: Tally
 ) -> None:
@@ -567,9 +613,11 @@ def test_official_client_gets_400_naming_what_is_not_implemented(
     attempts: list[tuple[str, str, Any]] = [
         ("best_of", COMPLETIONS, lambda: completions.create(model=MODEL_ID, prompt="x", best_of=2)),
         (
-            "tools",
+            "functions",  # the legacy form of tools
             CHAT,
-            lambda: chat.create(model=MODEL_ID, messages=messages, tools=[WEATHER_TOOL]),
+            lambda: chat.create(
+                model=MODEL_ID, messages=messages, functions=[WEATHER_TOOL["function"]]
+            ),
         ),
         (
             "logit_bias",

@@ -174,6 +174,8 @@ USED = {
 USED |= {"result_cache"}  # the result cache's per-request opt-out (router/result_cache.py)
 # Structured output (engine/grammar.py): the request's grammar.
 USED |= {"response_format", "guided_json", "guided_regex", "guided_choice"}
+# Tool calling (router/tool_calls.py): chat's; null-only in completions (REJECTED).
+USED |= {"tools", "tool_choice", "parallel_tool_calls"}
 # Supported only at their no-op value; any other is a 400 naming the field.
 NO_OP_ONLY = {
     "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -222,6 +224,21 @@ def test_unknown_fields_are_rejected_by_name(
     assert (error.param, error.code) == ("foo", "unknown_parameter")
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "Today's weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer", "maximum": 7}},
+            "required": ["city"],
+        },
+    },
+}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+NOT_JSON = {"name": "weather", "arguments": "[1]"}
+
 # (request class, fields, param named, fragment of the message)
 REJECTED = [
     (CompletionRequest, {"temperature": 2.5}, "temperature", "less than or equal to 2"),
@@ -267,15 +284,44 @@ REJECTED = [
     (
         ChatCompletionRequest,
         {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
-        "messages[0].tool_calls",
-        "tool_calls is not supported",
+        "messages[0].tool_calls[0].function",
+        "Field required",
     ),
     (
         ChatCompletionRequest,
-        {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c"}]},
+        {"messages": [{"role": "user", "content": "42", "tool_call_id": "c"}]},
         "messages[0].tool_call_id",
-        "tool_call_id is not supported",
+        "only tool messages hold tool_call_id",
     ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "tool_calls": [CALL]}]},
+        "messages[0].tool_calls",
+        "only assistant messages hold tool_calls",
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "assistant", "tool_calls": [{**CALL, "function": NOT_JSON}]}]},
+        "messages[0].tool_calls",
+        "the arguments of call 'call_1' are not a JSON object",
+    ),
+    (ChatCompletionRequest, {"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
+    (
+        ChatCompletionRequest,
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+        "tool_choice",
+        "names the function 'x', which is not in tools",
+    ),
+    (ChatCompletionRequest, {"tools": [WEATHER, WEATHER]}, "tools", "'weather' repeats"),
+    (
+        ChatCompletionRequest,
+        {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+        "tools[0].function.name",
+        "should match pattern",
+    ),
+    (CompletionRequest, {"tools": [WEATHER]}, "tools", "tools is not supported"),
+    (CompletionRequest, {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported"),
+    (ChatCompletionRequest, {"functions": [WEATHER["function"]]}, "functions", "not supported"),
     (CompletionRequest, {"stop": ["s"] * 17}, "stop", "at most 16 items"),
     (CompletionRequest, {"stop": ["ok", "x" * 257]}, "stop", "at most 256 characters"),
     (CompletionRequest, {"stop": ""}, "stop", "at least 1 character"),
@@ -332,6 +378,74 @@ def test_rejected(cls: type[Any], fields: dict[str, Any], param: str, fragment: 
     assert error.param == param
     assert error.message.startswith(f"{param}: ")
     assert fragment in error.message
+
+
+def test_tools_render_and_their_grammars_hold_the_output_to_declared_calls() -> None:
+    """tool_choice picks how the output holds calls; required and a named function get a
+    grammar (engine/grammar.py) of exactly the declared calls; history turns go to the
+    template as transformers documents them (arguments as objects)."""
+    other = {"type": "function", "function": {"name": "time"}}  # no parameters: {}
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    req = chat(tools=[WEATHER, other], messages=history)
+    assert req.tool_mode() == "auto" and req.grammar() is None
+    assert req.template_tools() == [WEATHER, other]  # as sent: no nulls added
+    assert req.chat_messages()[1:] == [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": {}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    assert chat(tools=[WEATHER], tool_choice="none").tool_mode() is None
+    assert chat(tool_choice="none").tool_mode() is None
+
+    required = chat(tools=[WEATHER, other], tool_choice="required", parallel_tool_calls=False)
+    spec = required.grammar()
+    assert spec is not None and required.tool_mode() == "required"
+    schema = json.loads(spec.source)
+    assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+    calls = schema["items"]["anyOf"]
+    assert [c["properties"]["name"] for c in calls] == [{"const": "weather"}, {"const": "time"}]
+    assert calls[0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    assert calls[1]["properties"]["arguments"]["additionalProperties"] is False
+    assert "maxItems" not in json.loads(
+        chat(tools=[WEATHER], tool_choice="required").grammar().source
+    )
+
+    named = chat(
+        tools=[WEATHER, other], tool_choice={"type": "function", "function": {"name": "weather"}}
+    )
+    assert named.tool_mode() == "named" and named.named_function() == "weather"
+    assert json.loads(named.grammar().source) == WEATHER["function"]["parameters"]
+    params = to_sampling_params(named, prompt_len=4, max_model_len=64)
+    assert params.grammar == named.grammar()
+
+    # two constraints at once, and a parameters schema the grammar engine refuses
+    both = chat(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
+    error = rejection(to_sampling_params, both, prompt_len=4, max_model_len=64)
+    assert (error.param, error.status_code) == ("tool_choice", 400)
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}
+    error = rejection(chat(tools=[bad], tool_choice="required").grammar)
+    assert error.param == "tools" and "invalid" in error.message
+    chat(tools=[bad]).grammar()  # auto never compiles it: the model may still call it
+    strict = {"type": "function", "function": {**bad["function"], "strict": True}}
+    error = rejection(
+        chat(
+            tools=[strict, other], tool_choice={"type": "function", "function": {"name": "time"}}
+        ).grammar
+    )
+    assert error.param == "tools" and error.message.startswith("tools: f: ")
 
 
 def test_missing_field_and_several_errors() -> None:
@@ -527,7 +641,9 @@ def test_json_schema_tells_what_is_rejected(cls: type[Any]) -> None:
         assert _schema_of(props, "echo", "boolean")["const"] is False
     else:
         message = schema["$defs"]["ChatMessage"]["properties"]
-        assert all(message[f]["type"] == "null" for f in ("tool_calls", "tool_call_id"))
+        assert all(message[f]["type"] == "null" for f in ("function_call", "refusal"))
+    if cls is CompletionRequest:  # tool calling is chat's
+        assert all(props[f]["type"] == "null" for f in ("tools", "tool_choice"))
 
 
 def test_import_does_not_pull_torch() -> None:
