@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from opentelemetry.trace import Tracer
 
@@ -28,6 +28,7 @@ from pdserve.engine.model_config import load_model_config
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.core import RouterCore
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.tool_calls import tool_format
 
 PREFILL_DEPLOYMENT = "Prefill"
 DECODE_DEPLOYMENT = "Decode"
@@ -55,6 +56,7 @@ class ServedModel:
         index = PrefixIndex(redis, config.model_id, config.worker_lease_s)
         self.core = RouterCore(config, prefill, decode, index, tracer, metrics)
         self.token_text: Callable[[int], str] = lru_cache(maxsize=65536)(self._decode_one)
+        # the format tool_choice "auto" parses calls from; None: auto is a 400
         self.tool_format = tool_format(config.tool_call_parser, self.tokenizer.chat_template)
 
     def _decode_one(self, token_id: int) -> str:
@@ -69,22 +71,6 @@ class ServedModel:
             "owned_by": "pdserve",
             "max_model_len": self.max_model_len,
         }
-
-
-def tool_format(parser: str, chat_template: str | None) -> Literal["hermes", "json"] | None:
-    """The format `tool_choice: "auto"` parses calls from (router/tool_calls.py): the
-    configured one, or ("auto") the one the chat template writes calls in: <tool_call>
-    tags (Qwen 2.5, Hermes) -> "hermes"; Llama 3.x's <|python_tag|> -> "json". None:
-    no format known (auto is then a 400)."""
-    if parser == "hermes":
-        return "hermes"
-    if parser == "json":
-        return "json"
-    if parser == "none" or not chat_template:
-        return None
-    if "<tool_call>" in chat_template:
-        return "hermes"
-    return "json" if "<|python_tag|>" in chat_template else None
 
 
 def pool_handles(config: ClusterConfig) -> tuple[Any | None, Any]:

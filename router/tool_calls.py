@@ -46,10 +46,14 @@ Design decisions:
   delta.
 - Output cut short (finish_reason "length"): `finish` sends what is held; a call already
   started stays a call with the arguments received so far (a string value decoded as far
-  as it goes); held text that never became a call is content. A cut `</tool_call>` after
-  a complete call is dropped as markup.
+  as it goes); held text that never became a call is content, except an object cut
+  before its name inside required's array or after calls (an unfinished call, dropped).
+  A cut `</tool_call>` after a complete call is dropped as markup.
 - Nothing raises on malformed text: at worst it is content. A decoded string never holds
   a lone UTF-16 surrogate (U+FFFD instead), so the response always encodes as UTF-8.
+
+`tool_format` says which format a model's tool_choice "auto" reads: the operator's
+`tool_call_parser`, or the one its chat template writes calls in.
 
 Plain Python: no torch, the standard library only.
 """
@@ -70,6 +74,7 @@ __all__ = [
     "ToolCallParser",
     "ToolMode",
     "parse_tool_calls",
+    "tool_format",
 ]
 
 ToolMode = Literal["hermes", "json", "required", "named"]
@@ -811,3 +816,20 @@ def parse_tool_calls(
     if calls and not joined.strip():
         return None, calls
     return joined, calls
+
+
+def tool_format(parser: str, chat_template: str | None) -> Literal["hermes", "json"] | None:
+    """The format `tool_choice: "auto"` parses calls from: the configured one
+    (`ClusterConfig.tool_call_parser`), or with "auto" the one the chat template writes
+    calls in: <tool_call> tags (Qwen 2.5, Hermes) -> "hermes"; Llama 3.x's <|python_tag|>
+    -> "json". None: no format known ("none", or a template that shows none); auto is
+    then a 400 and required and named functions still work (the grammar writes them)."""
+    if parser == "hermes":
+        return "hermes"
+    if parser == "json":
+        return "json"
+    if parser == "none" or not chat_template:
+        return None
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    return "json" if "<|python_tag|>" in chat_template else None

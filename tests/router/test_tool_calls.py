@@ -29,6 +29,7 @@ from pdserve.router.tool_calls import (
     ToolCallParser,
     ToolMode,
     parse_tool_calls,
+    tool_format,
 )
 
 ID = re.compile(r"call_[0-9a-f]{24}")
@@ -539,3 +540,14 @@ def test_fuzz_arguments_round_trip(
     for a in args:
         content, calls = check("named", dumps(a), "f", seeds=1)
         assert_calls(calls, [("f", a)])
+
+
+def test_the_format_comes_from_the_configuration_or_the_template() -> None:
+    from pdserve.engine.demo_model import CHAT_TEMPLATE
+
+    assert tool_format("auto", CHAT_TEMPLATE) == "hermes"  # the demo's: <tool_call> tags
+    assert tool_format("auto", "{{ '<|python_tag|>' }}{{ tools | tojson }}") == "json"
+    assert tool_format("auto", "{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert tool_format("auto", None) is None
+    assert tool_format("json", CHAT_TEMPLATE) == "json"  # the operator's word wins
+    assert tool_format("none", CHAT_TEMPLATE) is None
