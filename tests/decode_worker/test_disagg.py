@@ -84,6 +84,9 @@ async def collect(stream: Any) -> RequestOutput:
     return last
 
 
+KV_ARRIVES_WITHIN_S = 60.0
+
+
 async def serve_outputs(
     model_dir: Path,
     push: bool,
@@ -100,8 +103,12 @@ async def serve_outputs(
     p_eng = new_engine(model_dir, prefill_model_id)
     p_async, d_async = AsyncEngine(p_eng), AsyncEngine(new_engine(model_dir))
     layout = layout_of(d_async.engine.runner.kv_cache)
+    # Expected KV that will come gets a wait no loaded CI machine outlasts (a first prefill
+    # there took over 0.5 s, the push then found its request gone); KV that will not come
+    # (push=False) is waited out briefly, once per prompt.
+    wait_s = KV_ARRIVES_WITHIN_S if push else 0.5
     decode = DecodeWorker(
-        d_async, LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout)), kv_wait_timeout_s=0.5
+        d_async, LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout)), kv_wait_timeout_s=wait_s
     )
     prefill = PrefillWorker(p_async, LoopbackSender(hub), TOKEN)
     address = await decode.start()
