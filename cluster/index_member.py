@@ -24,6 +24,9 @@ from pdserve.engine.block_pool import KVEvent
 
 logger = logging.getLogger(__name__)
 
+# The longest stop() waits for the heartbeat task beyond one heartbeat period.
+STOP_GRACE_S = 5.0
+
 LoadFn = Callable[[], Awaitable[dict[str, int]]]
 EventsFn = Callable[[], Awaitable[list[KVEvent]]]
 
@@ -70,6 +73,7 @@ class IndexMember:
         self.num_registrations = 0
         self._lock = asyncio.Lock()  # events must reach Redis in the order they happened
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def start(self) -> None:
         """Register (retrying on the heartbeat period) and start the heartbeat task."""
@@ -87,9 +91,22 @@ class IndexMember:
     async def stop(self) -> None:
         """Stop heartbeats and remove this worker from the index (graceful shutdown)."""
         if self._task is not None:
+            # NOTE: not only cancel(): a cancellation delivered inside a Redis command can be
+            # lost (redis-py cleans up the connection under its own timeout while handling
+            # it, and Python 3.11's asyncio.timeout may then swallow the outer cancel), and
+            # awaiting the task waited forever (seen in tests/cluster/test_index_member.py).
+            # The flag ends the loop at its next turn whatever happened to the cancel, and
+            # the wait is bounded either way: a shutdown never hangs on its heartbeat.
+            self._stopping = True
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            done, _ = await asyncio.wait({self._task}, timeout=self.heartbeat_s + STOP_GRACE_S)
+            if not done:
+                logger.warning("index heartbeat of %s did not stop; left behind", self.worker_id)
+            elif not self._task.cancelled() and self._task.exception() is not None:
+                logger.warning(
+                    "index heartbeat of %s ended: %r", self.worker_id, self._task.exception()
+                )
+            self._task = None
         if self.generation is not None:
             with contextlib.suppress(RedisError, OSError):
                 await asyncio.wait_for(
@@ -98,8 +115,10 @@ class IndexMember:
             self.generation = None
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.heartbeat_s)
+            if self._stopping:
+                return
             try:
                 await self._sync()
             except (RedisError, OSError) as exc:

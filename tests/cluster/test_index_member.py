@@ -163,3 +163,41 @@ def test_a_member_of_another_kv_format_fails_to_start_and_is_never_placed(
             await client.aclose()
 
     asyncio.run(run())
+
+
+def test_stop_ends_the_heartbeat_even_when_its_cancel_is_lost(redis_url: str) -> None:
+    """A cancellation can be lost inside a library (redis-py cleaning up a connection
+    under its own timeout): stop() still ends the heartbeat task and leaves the index.
+    Before the stop flag, stop() waited on the task forever."""
+
+    async def run() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex(client, MODEL, lease_s=30.0)
+        worker = FakeWorker()
+        armed, inside, lost = False, asyncio.Event(), asyncio.Event()
+
+        async def load() -> dict[str, int]:
+            if armed and not lost.is_set():
+                inside.set()
+                try:
+                    await asyncio.sleep(30)  # stop() cancels the heartbeat here
+                except asyncio.CancelledError:
+                    lost.set()  # ... and the cancel goes no further
+            return await worker.load()
+
+        m = IndexMember(index, "w1", "decode", "d:1", load, worker.drain, worker.snapshot, 0.05)
+        await m.start()
+        try:
+            assert await matched(index) == 0
+            armed = True
+            async with asyncio.timeout(10):
+                await inside.wait()
+            # a task of its own, not cancelled by the bound: the old stop() swallowed that
+            stopper = asyncio.create_task(m.stop())
+            done, _ = await asyncio.wait({stopper}, timeout=10)
+            assert stopper in done, "stop() is still waiting for the heartbeat task"
+            assert lost.is_set() and await matched(index) == -1
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
