@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ def cpu_halves() -> tuple[str, str, str]:
     return text(first), text(second), text(cpus)
 
 
+STDERR_TAIL_LINES = 40  # of a cluster that failed to start, in the error
+
+
 @contextlib.contextmanager
 def cluster(model: str | None, flags: Sequence[str]) -> Iterator[str]:
     """Run `pdserve up FLAGS` on a free loopback port; yield its URL; stop it after."""
@@ -90,21 +94,29 @@ def cluster_process(
     """`cluster`, also yielding the `pdserve up` process (its pid is its session id)."""
     argv = [sys.executable, "-m", "pdserve.deploy.cli", "up", "--port", str(free_port())]
     argv += ["--model", model] if model else []
-    proc = subprocess.Popen(
-        [*argv, *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    assert proc.stdout is not None
-    try:
-        line = wait_for_line(proc.stdout, "pdserve ready at ", START_TIMEOUT_S)
-        drain(proc.stdout)
-        yield line.split("pdserve ready at ", 1)[1].strip(), proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    # stderr to a file, not the void: a cluster that dies before it is ready says why
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.Popen(
+            [*argv, *flags], stdout=subprocess.PIPE, stderr=errors, start_new_session=True
+        )
+        assert proc.stdout is not None
         try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            try:
+                line = wait_for_line(proc.stdout, "pdserve ready at ", START_TIMEOUT_S)
+            except (EOFError, TimeoutError) as exc:
+                errors.seek(0)
+                tail = errors.read().decode(errors="replace").splitlines()[-STDERR_TAIL_LINES:]
+                why = "\n".join(tail)
+                raise RuntimeError(f"pdserve up {' '.join(flags)}: {exc}; stderr:\n{why}") from exc
+            drain(proc.stdout)
+            yield line.split("pdserve ready at ", 1)[1].strip(), proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def best_hit_rate(
