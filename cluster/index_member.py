@@ -91,9 +91,9 @@ class IndexMember:
     async def stop(self) -> None:
         """Stop heartbeats and remove this worker from the index (graceful shutdown)."""
         if self._task is not None:
-            # NOTE: not only cancel(): a cancellation delivered inside a Redis command can be
-            # lost (redis-py cleans up the connection under its own timeout while handling
-            # it, and Python 3.11's asyncio.timeout may then swallow the outer cancel), and
+            # NOTE: not only cancel(): a cancellation delivered during a heartbeat can be lost
+            # in the awaited call chain (most likely redis-py's cleanup on cancellation, which
+            # awaits a disconnect under its own timeout; the line was not pinned), and then
             # awaiting the task waited forever (seen in tests/cluster/test_index_member.py).
             # The flag ends the loop at its next turn whatever happened to the cancel, and
             # the wait is bounded either way: a shutdown never hangs on its heartbeat.
