@@ -10,14 +10,16 @@ ARG RAY_VERSION=2.60.0
 FROM rayproject/ray:${RAY_VERSION}-py311-gpu
 
 ARG RAY_VERSION
-# Ray Serve settings for a streaming-heavy app, in every Serve process of every node (the
-# HTTP proxy reads them from here; the replicas also get them from the app, deploy/app.py
-# SERVE_ENV, which tests/deploy/test_manifests.py keeps equal to this list).
+# Ray Serve settings for a streaming-heavy app, and Ray workers at nice 0 (not Ray's 15,
+# below the raylet and GCS), in every Serve process of every node (the HTTP proxy reads
+# them from here; the replicas also get them from the app, deploy/app.py SERVE_ENV, which
+# tests/deploy/test_manifests.py keeps equal to this list).
 ENV RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 \
     RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 \
     RAY_SERVE_USE_GRPC_BY_DEFAULT=1 \
     RAY_SERVE_PROXY_USE_GRPC=1 \
-    RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1000
+    RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1000 \
+    RAY_worker_niceness=0
 # A C/C++ compiler: a UCX receiver bound to one address builds a small helper against
 # ucxx's headers on first use (kv_transfer/ucx_listener.py), and CPU engines build their
 # decode-attention kernel (engine/csrc/) the same way.

@@ -341,7 +341,7 @@ def test_the_image_sets_the_serve_settings_the_app_gives_its_replicas() -> None:
     env = dict(
         pair.split("=", 1)
         for line in text.splitlines()
-        if line.startswith("ENV RAY_SERVE_")
+        if line.startswith("ENV RAY_")
         for pair in line.split()[1:]
     )
     assert env == SERVE_ENV
