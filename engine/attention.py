@@ -207,18 +207,36 @@ class TorchAttentionBackend(AttentionBackend):
                 k, v = self._values(k_rows, k.dtype), self._values(v_rows, v.dtype)
         k_cache.view(-1, row).index_copy_(0, plan["write"], k_rows.reshape(-1, row))
         v_cache.view(-1, row).index_copy_(0, plan["write"], v_rows.reshape(-1, row))
-        k_blocks = k_cache.view(-1, block_size, row)  # [blocks * KVH, bs, row]
-        v_blocks = v_cache.view(-1, block_size, row)
         out = torch.empty_like(q)
+        if meta.prefills:
+            self._prefill_rows(q, k, v, kv_cache, meta, plan, scale, out)
+        if meta.decode is not None:
+            start = meta.num_prefill_tokens
+            out[start:] = self._decode_rows(q[start:], kv_cache, meta.decode, plan, scale)
+        return out
+
+    def _prefill_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        plan: dict[str, Any],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Write the prefill rows' attention output into `out[:num_prefill_tokens]`; the
+        chunks' own K/V are in the cache already (`k`, `v`: as attention sees them)."""
+        row = kv_cache[0].shape[-1]
+        block_size = kv_cache[0].shape[2]
+        k_blocks = kv_cache[0].view(-1, block_size, row)  # [blocks * KVH, bs, row]
+        v_blocks = kv_cache[1].view(-1, block_size, row)
         for p, rows in zip(meta.prefills, plan["prefill"], strict=True):
             sl = slice(p.query_start, p.query_start + p.query_len)
             out[sl] = _prefill(
                 q[sl], k[sl], v[sl], k_blocks, v_blocks, rows, p, scale, self._values
             )
-        if meta.decode is not None:
-            start = meta.num_prefill_tokens
-            out[start:] = self._decode_rows(q[start:], kv_cache, meta.decode, plan, scale)
-        return out
 
     def _decode_rows(
         self,
@@ -340,12 +358,14 @@ def _decode(
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The torch backend with decode rows on the compiled CPU kernel (`cpu_kernels`).
+    """The torch backend with attention on the compiled CPU kernels (`cpu_kernels`).
 
-    Prefill stays on SDPA (compute-bound there, and SDPA does it well); decode rows read
-    K/V straight from their blocks, with no gathered copy (an 8-bit cache's rows are
-    dequantized as the kernel reads them). Chosen only for a dtype and KV cache format
-    the kernel takes (`make_attention_backend`).
+    Decode rows read K/V straight from their blocks, with no gathered copy (an 8-bit
+    cache's rows are dequantized as the kernel reads them). Prefill chunks of every
+    sequence in the step go to the prefill kernel in one call, which also reads their
+    cached prefix in place; an 8-bit cache or a head_dim it does not take keeps SDPA for
+    prefill. Chosen only for a dtype and KV cache format the decode kernel takes
+    (`make_attention_backend`).
     """
 
     name = "cpu"
@@ -353,6 +373,38 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, kernels: CpuKernels, kv_cache_dtype: str = "auto") -> None:
         super().__init__(kv_cache_dtype)
         self.kernels = kernels
+        # the prefill kernel takes the chunks as one PrefillBatch
+        self.wants_prefill_batch = not self._quantized
+
+    def _prefill_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        plan: dict[str, Any],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        batch = meta.prefill_batch
+        if batch is None or not self.kernels.takes_prefill(
+            q.dtype, q.shape[-1], self.kv_cache_dtype
+        ):
+            super()._prefill_rows(q, k, v, kv_cache, meta, plan, scale, out)
+            return
+        n = meta.num_prefill_tokens
+        self.kernels.paged_prefill(
+            q[:n].contiguous(),
+            kv_cache[0],
+            kv_cache[1],
+            batch.block_tables,
+            batch.query_start_loc,
+            batch.context_lens,
+            scale,
+            out=out[:n],
+            num_threads=torch.get_num_threads(),
+        )
 
     def _decode_rows(
         self,

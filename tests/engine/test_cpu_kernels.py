@@ -1,5 +1,6 @@
-"""The compiled CPU decode attention (`engine/cpu_kernels.py`) against a plain reference.
+"""The compiled CPU attention kernels (`engine/cpu_kernels.py`) against plain references.
 
+Decode:
 The kernel reads K/V in place from their blocks; the reference gathers each sequence's
 blocks and runs float32 softmax attention, one sequence at a time. Shapes cover the
 vector path (head_dim a multiple of 16, specialised and generic query-group sizes) and
@@ -8,6 +9,12 @@ below and above 16, and 1-3 threads, over caches of the query's dtype and 8-bit 
 (engine/kv_quant.py: int8 and e4m3 codes, each row with its own scale), which the
 reference reads dequantized. The engine-level check runs the same greedy batch through
 the cpu and the torch backends.
+
+Prefill: every chunk of a step in one call, each chunk the last positions of its context
+(a cached prefix or none), K/V read from shuffled blocks; the reference gathers the blocks
+and runs float32 causal attention chunk by chunk. Shapes cover every head_dim the kernel
+takes, 1-8 query heads per KV head (row tiles that do and do not fill a 16-row vector),
+chunks shorter and longer than a 64-key tile, block sizes 4-32 and 1-3 threads.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from pdserve.engine.attention import (
     AttentionMetadata,
     CpuAttentionBackend,
     DecodeMeta,
+    PrefillBatch,
+    PrefillMeta,
     TorchAttentionBackend,
 )
 from pdserve.engine.llm_engine import make_attention_backend
@@ -301,3 +310,246 @@ def test_backend_choice_follows_the_kernel_dtypes() -> None:
     assert make_attention_backend("auto", cpu, torch.float64).name == "torch"  # not built
     with pytest.raises(ValueError, match="does not take"):
         make_attention_backend("cpu", cpu, torch.float64)
+
+
+def prefill_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """float32 causal attention of each chunk's rows, the last of its context."""
+    _, kv_heads, block_size, head_dim = k_cache.shape
+    groups = q.shape[1] // kv_heads
+    out = torch.empty(q.shape)
+    for i, length in enumerate(context_lens.tolist()):
+        a, b = int(starts[i]), int(starts[i + 1])
+        blocks = tables[i, : -(-length // block_size)].long()
+        k = k_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
+        v = v_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
+        k = k.float().repeat_interleave(groups, 0)  # [H, C, D]
+        v = v.float().repeat_interleave(groups, 0)
+        scores = q[a:b].float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, n, C]
+        hidden = torch.ones(b - a, length, dtype=torch.bool).triu(length - (b - a) + 1)
+        weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+        out[a:b] = (weights @ v).transpose(0, 1)
+    return out
+
+
+def prefill_case(
+    *,
+    dtype: torch.dtype,
+    kv_heads: int,
+    groups: int,
+    head_dim: int,
+    block_size: int,
+    chunks: list[tuple[int, int]],  # (new tokens, context length)
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """q [T, H, D], K/V caches, block tables, query_start_loc, context lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-length // block_size) for _, length in chunks)
+    num_blocks = len(chunks) * max_blocks + 2
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
+    for i, (_, length) in enumerate(chunks):
+        used = -(-length // block_size)
+        tables[i, :used] = perm[i * max_blocks : i * max_blocks + used].int()
+    starts = torch.tensor([0, *torch.tensor([n for n, _ in chunks]).cumsum(0)], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), kv_heads * groups, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([length for _, length in chunks], dtype=torch.int32)
+    return q, k_cache, v_cache, tables, starts, lens
+
+
+# a whole prompt (none cached), one token after a long prefix, chunks inside and across
+# 64-key tiles, a chunk of one 16-token tile exactly, a long chunk after a prefix
+CHUNKS = [(37, 37), (1, 129), (5, 70), (16, 16), (100, 300), (64, 64)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("kv_heads", "groups", "head_dim", "block_size"),
+    [
+        (2, 4, 32, 16),  # the tiny model
+        (4, 4, 64, 16),  # the mid model
+        (1, 3, 64, 8),  # 48-row tiles: three 16-row vectors
+        (3, 1, 128, 32),  # MHA: a last tile of fewer than 16 rows
+        (1, 8, 256, 4),  # the widest head_dim, blocks of 4
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_paged_prefill_matches_reference(
+    dtype: torch.dtype,
+    kv_heads: int,
+    groups: int,
+    head_dim: int,
+    block_size: int,
+    threads: int,
+) -> None:
+    assert KERNELS is not None
+    if dtype not in KERNELS.dtypes:
+        pytest.skip(f"{dtype} kernel not built on this architecture")
+    assert KERNELS.takes_prefill(dtype, head_dim)
+    q, k_cache, v_cache, tables, starts, lens = prefill_case(
+        dtype=dtype,
+        kv_heads=kv_heads,
+        groups=groups,
+        head_dim=head_dim,
+        block_size=block_size,
+        chunks=CHUNKS,
+    )
+    scale = head_dim**-0.5
+    out = KERNELS.paged_prefill(
+        q, k_cache, v_cache, tables, starts, lens, scale, num_threads=threads
+    )
+    expected = prefill_reference(q, k_cache, v_cache, tables, starts, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@needs_kernels
+def test_paged_prefill_sees_neither_the_future_nor_past_the_context() -> None:
+    """Every cache row a chunk must not see is NaN: the rest of its last block, the table's
+    padding (block 0), and, for the first chunk, the positions after its context that a
+    later step would fill. Any read of one turns the output NaN."""
+    chunks = [(20, 20), (3, 35), (70, 90)]
+    q, k_cache, v_cache, tables, starts, lens = prefill_case(
+        dtype=torch.float32, kv_heads=2, groups=2, head_dim=32, block_size=16, chunks=chunks
+    )
+    tables[tables == 0] = int(tables.max()) + 1  # keep block 0 for padding only
+    k_cache = torch.cat([k_cache, torch.randn(2, *k_cache.shape[1:])])
+    v_cache = torch.cat([v_cache, torch.randn(2, *v_cache.shape[1:])])
+    poison = torch.zeros(k_cache.shape[:3], dtype=torch.bool)  # [blocks, KVH, bs]
+    for b, n in enumerate(lens.tolist()):
+        poison[int(tables[b, (n - 1) // 16]), :, n % 16 or 16 :] = True
+    poison[0] = True
+    k_cache[poison], v_cache[poison] = float("nan"), float("nan")
+    assert KERNELS is not None
+    out = KERNELS.paged_prefill(q, k_cache, v_cache, tables, starts, lens, 0.2, num_threads=2)
+    assert not out.isnan().any()
+    k_clean, v_clean = k_cache.clone(), v_cache.clone()
+    k_clean[poison], v_clean[poison] = 0, 0
+    expected = prefill_reference(q, k_clean, v_clean, tables, starts, lens, 0.2)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)
+    # causality within a chunk: changing the last token's K/V changes only its own row
+    last = int(lens[0]) - 1
+    k_cache[int(tables[0, last // 16]), :, last % 16] += 1.0
+    moved = KERNELS.paged_prefill(q, k_cache, v_cache, tables, starts, lens, 0.2)
+    changed = (moved != out).any(dim=(1, 2)).nonzero().flatten().tolist()
+    assert changed == [last]
+
+
+@needs_kernels
+def test_paged_prefill_rejects_bad_input() -> None:
+    q, k_cache, v_cache, tables, starts, lens = prefill_case(
+        dtype=torch.float32, kv_heads=2, groups=2, head_dim=32, block_size=16, chunks=[(5, 9)]
+    )
+    kern = KERNELS
+    assert kern is not None
+    with pytest.raises(ValueError, match="query_start_loc"):
+        kern.paged_prefill(q, k_cache, v_cache, tables, starts.long(), lens, 0.1)
+    with pytest.raises(ValueError, match="run from 0"):
+        kern.paged_prefill(q[:4], k_cache, v_cache, tables, starts, lens, 0.1)
+    with pytest.raises(ValueError, match="block table covers"):
+        kern.paged_prefill(q, k_cache, v_cache, tables, starts, lens + 16, 0.1)
+    with pytest.raises(ValueError, match="disagree"):
+        kern.paged_prefill(q, k_cache, v_cache, tables, starts[:1], lens, 0.1)
+    with pytest.raises(ValueError, match="share dtype"):
+        kern.paged_prefill(q, k_cache.bfloat16(), v_cache, tables, starts, lens, 0.1)
+    with pytest.raises(ValueError, match="out must"):
+        kern.paged_prefill(q, k_cache, v_cache, tables, starts, lens, 0.1, out=q.bfloat16())
+    odd_blocks = k_cache[:, :, :12].contiguous()  # block size 12: not a power of two
+    with pytest.raises(ValueError, match="does not take"):
+        kern.paged_prefill(q, odd_blocks, odd_blocks, tables, starts, lens, 0.1)
+    with pytest.raises(ValueError, match="does not take"):  # 5 new tokens, a context of 4
+        kern.paged_prefill(q, k_cache, v_cache, tables, starts, lens - 5, 0.1)
+    assert not kern.takes_prefill(torch.float32, 80)  # head_dim 80: SDPA keeps prefill
+    assert not kern.takes_prefill(torch.float32, 64, "int8")  # an 8-bit cache: SDPA too
+    with pytest.raises(ValueError, match="does not take"):
+        wide = torch.randn(5, 4, 80)
+        kern.paged_prefill(wide, k_cache, v_cache, tables, starts, lens, 0.1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_cpu_backend_prefills_as_the_torch_backend(kv_dtype: str) -> None:
+    """One step of two prefill chunks (one with a cached prefix) and two decode rows,
+    through both backends over the same cache: the same output to float rounding, the
+    same cache bytes, and the kernel took the prefill only where it reads the cache."""
+    assert KERNELS is not None
+    kv_heads, groups, head_dim, bs = 2, 2, 32, 16
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, tables, starts, lens = prefill_case(
+        dtype=torch.float32,
+        kv_heads=kv_heads,
+        groups=groups,
+        head_dim=head_dim,
+        block_size=bs,
+        chunks=[(21, 21), (9, 40)],
+    )
+    if kv_quant.is_quantized(kv_dtype):
+        k_cache, v_cache = (
+            kv_quant.quantize(k_cache, kv_dtype),
+            kv_quant.quantize(v_cache, kv_dtype),
+        )
+    decode_tables = tables.flip(0).contiguous()  # decode rows over the same blocks
+    decode_lens = torch.tensor([20, 30], dtype=torch.int32)
+    n = int(starts[-1])
+    q = torch.cat([q, torch.randn(2, kv_heads * groups, head_dim, generator=gen)])
+    k, v = (torch.randn(n + 2, kv_heads, head_dim, generator=gen) for _ in range(2))
+    positions = torch.cat(
+        [
+            torch.arange(int(c) - (int(starts[i + 1]) - int(starts[i])), int(c))
+            for i, c in enumerate(lens.tolist())
+        ]
+        + [decode_lens.long() - 1]
+    )
+    owner = torch.cat(
+        [torch.full((int(starts[i + 1]) - int(starts[i]),), i) for i in range(2)]
+        + [torch.tensor([1, 0])]
+    )
+    table_of = torch.cat([tables, decode_tables])[torch.cat([owner[:n], torch.tensor([2, 3])])]
+    slots = table_of.long().gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+    prefills = [
+        PrefillMeta(int(starts[i]), int(starts[i + 1] - starts[i]), int(lens[i]), tables[i].long())
+        for i in range(2)
+    ]
+    batch = PrefillBatch(tables, starts, lens)
+    decode = DecodeMeta(decode_tables, decode_lens, decode_lens.tolist())
+    outs, caches, calls = {}, {}, []
+    real = KERNELS.paged_prefill
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    for backend in (TorchAttentionBackend(kv_dtype), CpuAttentionBackend(KERNELS, kv_dtype)):
+        meta = AttentionMetadata(
+            slots, n, prefills, batch if backend.wants_prefill_batch else None, decode
+        )
+        cache = (k_cache.clone(), v_cache.clone())
+        if isinstance(backend, CpuAttentionBackend):
+            backend.kernels = _Spy(KERNELS, counting)
+        outs[backend.name] = backend.forward(q, k, v, cache, meta, head_dim**-0.5)
+        caches[backend.name] = cache
+    assert all(torch.equal(a, b) for a, b in zip(caches["cpu"], caches["torch"], strict=True))
+    torch.testing.assert_close(outs["cpu"], outs["torch"], atol=2e-5, rtol=1e-5)
+    assert len(calls) == (1 if kv_dtype == "auto" else 0)
+
+
+class _Spy:
+    """The kernels with paged_prefill replaced (the rest passed through)."""
+
+    def __init__(self, kernels: Any, paged_prefill: Any) -> None:
+        self._kernels = kernels
+        self.paged_prefill = paged_prefill
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kernels, name)
