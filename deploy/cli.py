@@ -158,6 +158,7 @@ def _up(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         speculative=_absolute_draft(args.speculative),
         tpot_target_ms=args.tpot_target_ms,
+        prefill_wait_limit_ms=args.prefill_wait_limit_ms,
         enforce_eager=args.enforce_eager,
         kv_staging_mb=args.kv_staging_mb,
         stream_hold_above=args.stream_hold_above,
@@ -565,6 +566,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=100.0,
         help="cap the prefill tokens of a step that has decode rows so that its measured "
         "cost stays within this; 'off' for the token budget alone",
+    )
+    up.add_argument(
+        "--prefill-wait-limit-ms",
+        type=_float_or_off,
+        default=500.0,
+        help="drop the --tpot-target-ms cap while a prompt has waited longer than this for "
+        "its prefill (so the prefill queue cannot grow without bound); 'off': never",
     )
     up.add_argument(
         "--stream-hold-above",

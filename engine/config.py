@@ -97,6 +97,14 @@ class EngineConfig(BaseModel):
         " tokens from the measured step cost (needs chunked prefill); None: the token budget"
         " alone.",
     )
+    prefill_wait_limit_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="With tpot_target_ms: while the oldest prompt waiting for its prefill has"
+        " waited longer than this since arrival, steps take the whole token budget, so that"
+        " capped steps cannot let the prefill queue grow without bound; None: the target"
+        " always holds.",
+    )
     enable_prefix_caching: bool = True
     cache_salt: str | None = None
     attention_backend: AttentionBackendName = "auto"

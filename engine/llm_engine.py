@@ -224,6 +224,11 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 step_time_target_s=None if target_ms is None else target_ms / 1000,
+                prefill_wait_limit_s=(
+                    None
+                    if config.prefill_wait_limit_ms is None
+                    else config.prefill_wait_limit_ms / 1000
+                ),
                 min_prefill_chunk=config.block_size,
             ),
             self.step_cost,

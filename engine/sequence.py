@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     hash_namespace: bytes
-    arrival_s: float = 0.0  # time.monotonic() when added
+    arrival_s: float = field(default_factory=time.monotonic)  # time.monotonic() when added
     first_scheduled_s: float | None = None  # time.monotonic() of its first admission
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

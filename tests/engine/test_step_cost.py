@@ -165,10 +165,16 @@ def make_scheduler(
     num_blocks: int = 32,
     budget: int = 64,
     caching: bool = True,
+    wait_limit: float | None = None,
 ) -> Scheduler:
     pool = BlockPool(num_blocks, enable_caching=caching)
     limits = SchedulerLimits(
-        8, budget, max_model_len=64, step_time_target_s=target, min_prefill_chunk=BLOCK
+        8,
+        budget,
+        max_model_len=64,
+        step_time_target_s=target,
+        min_prefill_chunk=BLOCK,
+        prefill_wait_limit_s=wait_limit,
     )
     return Scheduler(KVCacheManager(pool, BLOCK), limits, cost)
 
@@ -207,6 +213,41 @@ def test_a_long_prompt_beside_decode_rows_is_cut_to_the_target() -> None:
     assert sched.stats.num_latency_capped_steps == 1
     assert planned(run_step(sched)) == [("long", 32, 8), ("stream", 4, 1)]
     assert sched.stats.num_latency_capped_steps == 1  # 8 tokens fit: not cut
+
+
+def test_a_prompt_past_the_wait_limit_lifts_the_cap_until_prefill_catches_up() -> None:
+    # the same cut as above (32 tokens beside one decode row), with a 60 s wait limit
+    sched = make_scheduler(LinearCost(1.0, 0.5, 0.125), target=5.5, wait_limit=60.0)
+    start_a_stream(sched, max_tokens=40)
+    fresh = make_seq("fresh", list(range(10, 50)))
+    sched.add(fresh)  # arrived now: within the limit, the target holds
+    assert planned(run_step(sched)) == [("fresh", 0, 32), ("stream", 3, 1)]
+    assert sched.stats.num_backlog_uncapped_steps == 0
+    # a prompt that has waited past the limit (its arrival set in the past, not slept)
+    old = make_seq("old", list(range(60, 100)))
+    sched.add(old)
+    old.arrival_s -= 61.0
+    assert sched.prefill_budget() == 64  # the whole token budget
+    out = run_step(sched)
+    assert planned(out) == [("fresh", 32, 8), ("old", 0, 40), ("stream", 4, 1)]
+    assert sched.stats.num_backlog_uncapped_steps == 1
+    assert sched.stats.num_latency_capped_steps == 1  # only the first step was cut
+    # nothing waits for prefill any more: the next prompt is capped again
+    sched.add(make_seq("next", list(range(110, 150))))
+    assert planned(run_step(sched))[0] == ("next", 0, 32 - 2 * 4)  # 3 decode rows now
+    assert sched.stats.num_backlog_uncapped_steps == 1
+
+
+def test_a_prompt_part_way_through_its_prefill_counts_for_the_wait_limit() -> None:
+    sched = make_scheduler(LinearCost(1.0, 0.5, 0.125), target=5.5, wait_limit=60.0)
+    start_a_stream(sched)
+    long = make_seq("long", list(range(10, 50)))
+    sched.add(long)
+    assert planned(run_step(sched)) == [("long", 0, 32), ("stream", 3, 1)]
+    long.arrival_s -= 61.0  # admitted and chunked, its arrival long ago: no longer capped
+    assert sched.prefill_budget() == 64
+    assert planned(run_step(sched)) == [("long", 32, 8), ("stream", 4, 1)]
+    assert sched.stats.num_backlog_uncapped_steps == 1
 
 
 def test_without_a_target_or_a_cost_model_the_token_budget_alone_applies() -> None:
