@@ -369,10 +369,9 @@ class ClusterConfig(BaseModel):
     # cost within this (EngineConfig.tpot_target_ms). 100 ms: a GPU step stays far below
     # it, so it binds only where a prompt really would stall the streams (CPU).
     tpot_target_ms: float | None = Field(default=100.0, gt=0)
-    # ...until the oldest prompt waiting for its prefill has waited this long: then steps
-    # take the whole token budget until the backlog is gone (EngineConfig.
-    # prefill_wait_limit_ms). Without it, prompts arriving faster than capped steps
-    # prefill them queue without bound.
+    # ...until a request has waited this long to be admitted: then steps take the whole
+    # token budget until none has (EngineConfig.prefill_wait_limit_ms). Without it,
+    # prompts arriving faster than capped steps prefill them queue without bound.
     prefill_wait_limit_ms: float | None = Field(default=500.0, gt=0)
     # While a decode worker streams more than this many requests, each stream's tokens
     # after the first go out two per message: one waits (at most one step) for the next.

@@ -571,8 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-wait-limit-ms",
         type=_float_or_off,
         default=500.0,
-        help="drop the --tpot-target-ms cap while a prompt has waited longer than this for "
-        "its prefill (so the prefill queue cannot grow without bound); 'off': never",
+        help="drop the --tpot-target-ms cap while a request has waited longer than this to "
+        "be admitted (so the queue cannot grow without bound); 'off': never",
     )
     up.add_argument(
         "--stream-hold-above",

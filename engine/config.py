@@ -100,10 +100,10 @@ class EngineConfig(BaseModel):
     prefill_wait_limit_ms: float | None = Field(
         default=None,
         gt=0,
-        description="With tpot_target_ms: while the oldest prompt waiting for its prefill has"
-        " waited longer than this since arrival, steps take the whole token budget, so that"
-        " capped steps cannot let the prefill queue grow without bound; None: the target"
-        " always holds.",
+        description="With tpot_target_ms: while a request not yet admitted has waited longer"
+        " than this since arrival, steps take the whole token budget, so that capped steps"
+        " cannot let the queue grow without bound (a prompt already being prefilled in"
+        " chunks does not count); None: the target always holds.",
     )
     enable_prefix_caching: bool = True
     cache_salt: str | None = None

@@ -21,8 +21,8 @@ always at least `min_prefill_chunk` so prompts still progress: every running str
 for the whole step, so an uncapped prompt would stall them all (Sarathi-style chunking).
 A step without decode rows keeps the whole token budget: no stream waits on it.
 The cap holds only while prefill keeps up (`SchedulerLimits.prefill_wait_limit_s`): once
-the oldest prompt still waiting for its prefill has waited longer than that, steps take
-the whole token budget until the backlog is gone. Capped steps prefill fewer tokens per
+a request has waited longer than that to be admitted, steps take the whole token budget
+until no request has. Capped steps prefill fewer tokens per
 second (small chunks, each step's fixed cost paid more often); when prompts arrive faster
 than that, a cap without the limit lets the queue, and TTFT, grow without bound (the
 `mid` model at 2 requests/s of 512-token prompts on 2 cores: TTFT p50 ~4 s under a 100
@@ -125,8 +125,8 @@ class SchedulerLimits:
     # `min_prefill_chunk` prefill tokens per step whatever the prediction.
     step_time_target_s: float | None = None
     min_prefill_chunk: int = 16
-    # Drop that cap for a step while the oldest prompt still waiting for (the rest of) its
-    # prefill has waited longer than this many seconds since arrival; None: never.
+    # Drop that cap for a step while a request not yet admitted arrived more than this many
+    # seconds ago; None: never.
     prefill_wait_limit_s: float | None = None
 
 
@@ -282,14 +282,15 @@ class Scheduler:
         return _PrefillCap(self.cost_model, target, shape, room, limits.min_prefill_chunk)
 
     def _prefill_backlogged(self) -> bool:
-        """Whether a prompt waiting for its prefill (admitted and part-way through it, or
-        not yet admitted) arrived more than `prefill_wait_limit_s` ago."""
+        """Whether a request still waiting to be admitted arrived more than
+        `prefill_wait_limit_s` ago. Only the waiting queue counts: one long prompt being
+        prefilled chunk by chunk under the cap is what the cap is for, however long it
+        takes; requests queueing behind it are what says prefill is falling behind."""
         limit = self.limits.prefill_wait_limit_s
-        if limit is None:
+        if limit is None or not self.waiting:
             return False
-        pending = [s.arrival_s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        oldest = min((*pending, *(s.arrival_s for s in self.waiting)), default=None)
-        return oldest is not None and time.monotonic() - oldest > limit
+        oldest = min(s.arrival_s for s in self.waiting)
+        return time.monotonic() - oldest > limit
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, cap: _PrefillCap | None) -> int:
         scheduled: list[Sequence] = []  # in running order, including any skipped this step

@@ -238,15 +238,21 @@ def test_a_prompt_past_the_wait_limit_lifts_the_cap_until_prefill_catches_up() -
     assert sched.stats.num_backlog_uncapped_steps == 1
 
 
-def test_a_prompt_part_way_through_its_prefill_counts_for_the_wait_limit() -> None:
+def test_a_long_prompt_being_chunked_keeps_the_cap_past_the_wait_limit() -> None:
     sched = make_scheduler(LinearCost(1.0, 0.5, 0.125), target=5.5, wait_limit=60.0)
     start_a_stream(sched)
     long = make_seq("long", list(range(10, 50)))
     sched.add(long)
     assert planned(run_step(sched)) == [("long", 0, 32), ("stream", 3, 1)]
-    long.arrival_s -= 61.0  # admitted and chunked, its arrival long ago: no longer capped
+    long.arrival_s -= 61.0  # admitted, chunked, arrived long ago: still capped
+    assert sched.prefill_budget() == 32
+    # a request queueing behind it past the limit lifts the cap
+    queued = make_seq("queued", list(range(60, 100)))
+    sched.add(queued)
+    assert sched.prefill_budget() == 32  # it arrived just now
+    queued.arrival_s -= 61.0
     assert sched.prefill_budget() == 64
-    assert planned(run_step(sched)) == [("long", 32, 8), ("stream", 4, 1)]
+    assert planned(run_step(sched)) == [("long", 32, 8), ("queued", 0, 40), ("stream", 4, 1)]
     assert sched.stats.num_backlog_uncapped_steps == 1
 
 
