@@ -239,12 +239,7 @@ class CpuKernels:
             scale,
             num_threads,
         )
-        if status == -1:
-            raise MemoryError("paged_prefill could not allocate its scratch memory")
-        if status:
-            raise ValueError(
-                f"paged_prefill does not take q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
-            )
+        _raise_for("paged_prefill", status, q, k_cache)
         return out
 
     def paged_decode(
@@ -287,13 +282,16 @@ class CpuKernels:
             scale,
             num_threads,
         )
-        if status == -1:
-            raise MemoryError("paged_decode could not allocate its scratch memory")
-        if status:
-            raise ValueError(
-                f"paged_decode does not take q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
-            )
+        _raise_for("paged_decode", status, q, k_cache)
         return out
+
+
+def _raise_for(kernel: str, status: int, q: torch.Tensor, cache: torch.Tensor) -> None:
+    """A kernel's nonzero status as an exception: -1 scratch memory, else a shape."""
+    if status == -1:
+        raise MemoryError(f"{kernel} could not allocate its scratch memory")
+    if status:
+        raise ValueError(f"{kernel} does not take q {tuple(q.shape)}, cache {tuple(cache.shape)}")
 
 
 def _check(

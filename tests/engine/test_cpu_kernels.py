@@ -40,6 +40,18 @@ KERNELS = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler: kernels not built")
 
 
+def gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V [KVH, length, D], gathered from its blocks."""
+    _, kv_heads, block_size, row = k_cache.shape
+    blocks = table[: -(-length // block_size)].long()
+    # [blocks, KVH, bs, D] -> [KVH, blocks * bs, D], cut to the context
+    k = k_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, row)[:, :length]
+    v = v_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, row)[:, :length]
+    return k, v
+
+
 def reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -53,15 +65,11 @@ def reference(
         k_cache = kv_quant.dequantize(k_cache, kv_cache_dtype, torch.float32)
         v_cache = kv_quant.dequantize(v_cache, kv_cache_dtype, torch.float32)
     batch, num_heads, head_dim = q.shape
-    _, kv_heads, block_size, _ = k_cache.shape
+    kv_heads = k_cache.shape[1]
     groups = num_heads // kv_heads
     out = torch.empty(batch, num_heads, head_dim)
     for b in range(batch):
-        length = int(context_lens[b])
-        blocks = block_tables[b, : -(-length // block_size)].long()
-        # [blocks, KVH, bs, D] -> [KVH, blocks * bs, D], cut to the context
-        k = k_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
-        v = v_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
+        k, v = gather_context(k_cache, v_cache, block_tables[b], int(context_lens[b]))
         qb = q[b].view(kv_heads, groups, head_dim).float()
         weights = torch.softmax(qb @ k.float().transpose(1, 2) * scale, dim=-1)
         out[b] = (weights @ v.float()).reshape(num_heads, head_dim)
@@ -322,14 +330,11 @@ def prefill_reference(
     scale: float,
 ) -> torch.Tensor:
     """float32 causal attention of each chunk's rows, the last of its context."""
-    _, kv_heads, block_size, head_dim = k_cache.shape
-    groups = q.shape[1] // kv_heads
+    groups = q.shape[1] // k_cache.shape[1]
     out = torch.empty(q.shape)
     for i, length in enumerate(context_lens.tolist()):
         a, b = int(starts[i]), int(starts[i + 1])
-        blocks = tables[i, : -(-length // block_size)].long()
-        k = k_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
-        v = v_cache[blocks].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :length]
+        k, v = gather_context(k_cache, v_cache, tables[i], length)
         k = k.float().repeat_interleave(groups, 0)  # [H, C, D]
         v = v.float().repeat_interleave(groups, 0)
         scores = q[a:b].float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, n, C]
