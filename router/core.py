@@ -15,8 +15,11 @@ request whether P prefills (remote) or D does (local), from time estimates of bo
 decision is counted by reason (`pdserve_disagg_decisions_total`). Past capacity (every
 option's queue longer than `max_prefill_queue_s`) a request is refused with `Overloaded`
 (HTTP 429) before anything is sent to a worker: `start` places the first attempt before
-the HTTP response begins. A remote request's decode worker waits for its KV as long as
-the estimate says (`kv_wait_s`), not a fixed time.
+the HTTP response begins. Colocated mode is admitted the same way, its options being the
+decode workers (each prefills its own prompts): when the chosen one's queue is past the
+bound the least-queued one takes the request, and when every one is past it, 429. A
+remote request's decode worker waits for its KV as long as the estimate says
+(`kv_wait_s`), not a fixed time.
 
 Every prompt a decode worker prefills itself in disaggregated mode is counted with its
 reason (`pdserve_decode_local_prefill_total{reason}`, see `metrics.py`); each reason but
@@ -81,6 +84,8 @@ class Placed(NamedTuple):
 
     remote / local: the estimates of prefilling on the chosen prefill / decode worker
     (None where none was chosen); decode_running: sequences on the chosen decode worker.
+    least_queued (colocated mode): the decode worker with the shortest measured prefill
+    queue and its estimate, the admission's alternative to an over-queued choice.
     """
 
     prefill: Choice | None
@@ -89,6 +94,7 @@ class Placed(NamedTuple):
     remote: Option | None = None
     local: Option | None = None
     decode_running: int = 0
+    least_queued: tuple[Choice, Option] | None = None
 
 
 class Route:
@@ -119,6 +125,11 @@ class Route:
                 counter[worker_id] -= tokens
                 if counter[worker_id] <= 0:
                     del counter[worker_id]
+
+
+def _past(queue_s: float | None, bound_s: float) -> bool:
+    """A measured queue longer than the bound (an unmeasured one never is)."""
+    return queue_s is not None and queue_s > bound_s
 
 
 def _is_transfer_error(exc: BaseException) -> bool:
@@ -237,9 +248,9 @@ class RouterCore:
             if worker_id not in exclude:
                 by_role.setdefault(m.worker.role, {})[worker_id] = m
         decode = self.placer.choose_decode(by_role["decode"], self.inflight_decode)
-        if self.prefill is None:
-            return Placed(None, decode, indexed=True)
         n = len(prompt_ids)
+        if self.prefill is None:
+            return self._place_colocated(decode, by_role["decode"], n)
         rates = self.rates.prefill_rates(by_role["prefill"])
         prefill = self.placer.choose_prefill(
             by_role["prefill"], n, self.inflight_prefill_tokens, rates
@@ -270,6 +281,55 @@ class RouterCore:
             )
         return Placed(prefill, decode, True, remote, local, running)
 
+    def _place_colocated(
+        self, decode: Choice | None, matches: dict[str, MatchResult], n: int
+    ) -> Placed:
+        """Colocated placement: the chosen decode worker, and the estimates of prefilling
+        the prompt there and on the least-queued one (rates: what this router measured
+        of each one's prefills, else the mean of those it measured)."""
+        if decode is None:
+            return Placed(None, None, indexed=True)
+        rates = {w: self.rates.local_rate(w, None) for w in matches}
+        known = [r for r in rates.values() if r is not None]
+        pool_rate = sum(known) / len(known) if known else None
+        options = {
+            w: Option(
+                w,
+                self.placer.uncached_tokens(m, n),
+                queued_tokens(m, self.inflight_local_tokens),
+                pool_rate if rates[w] is None else rates[w],
+            )
+            for w, m in matches.items()
+        }
+        measured = [o for o in options.values() if o.queue_s is not None]
+        least = None
+        if measured:
+            o = min(measured, key=lambda o: (o.queue_s, o.worker_id))
+            m = matches[o.worker_id]
+            least = (Choice(o.worker_id, m.worker.address, m.matched_blocks), o)
+        running = decode_running(matches[decode.worker_id], self.inflight_decode)
+        return Placed(None, decode, True, None, options[decode.worker_id], running, least)
+
+    def _route_colocated(self, placed: Placed, resume: bool, bound_s: float) -> Route:
+        """Admit a colocated attempt (see the module's docstring) and reserve its place
+        in the chosen decode worker's prefill queue."""
+        local = placed.local
+        if not resume and local is not None and _past(local.queue_s, bound_s):
+            least = placed.least_queued
+            if least is None or _past(least[1].queue_s, bound_s):
+                excess = (least[1].queue_s if least else local.queue_s) or 0.0
+                raise Overloaded(
+                    f"the cluster is past its prefill capacity: every decode worker has "
+                    f"more than {bound_s:g}s of prompts queued; retry later",
+                    retry_after_s=max(1, math.ceil(excess - bound_s)),
+                )
+            placed = placed._replace(decode=least[0], local=least[1])
+            local = least[1]
+        route = Route(placed, None, None)
+        if local is not None:
+            route.hold("local", self.inflight_local_tokens, local.worker_id, local.uncached_tokens)
+        return route
+
     async def route(
         self,
         prompt_ids: list[int],
@@ -287,9 +347,9 @@ class RouterCore:
         """
         placed = await self.place(prompt_ids, exclude, cache_salt)
         bound = prefill_queue_bound_s(self.config, priority)
+        if self.prefill is None:  # colocated: D prefills, nothing to decide
+            return self._route_colocated(placed, resume, bound)
         decision = self._decide(placed, resume, bound)
-        if decision is None:  # colocated: D prefills, nothing to decide
-            return Route(placed, None, None)
         self.metrics.disagg_decisions.labels(decision.where, decision.reason).inc()
         if decision.where == "shed":
             raise Overloaded(
@@ -340,9 +400,7 @@ class RouterCore:
         s.end()
         return route
 
-    def _decide(self, placed: Placed, resume: bool, bound_s: float) -> Decision | None:
-        if self.prefill is None:
-            return None
+    def _decide(self, placed: Placed, resume: bool, bound_s: float) -> Decision:
         if resume:  # the tokens so far are known: D prefills them
             return Decision("local", "resume")
         if not placed.indexed:  # Serve picks both; the split still happens
