@@ -49,7 +49,7 @@ from pdserve.engine.hashing import hash_block_chain, hash_namespace
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.router.channels import ChannelStream, DecodeChannels
-from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s
+from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s, past_bound
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Choice, Placer, decode_running, queued_tokens
 from pdserve.router.prefix_cache import CachedTokens
@@ -125,11 +125,6 @@ class Route:
                 counter[worker_id] -= tokens
                 if counter[worker_id] <= 0:
                     del counter[worker_id]
-
-
-def _past(queue_s: float | None, bound_s: float) -> bool:
-    """A measured queue longer than the bound (an unmeasured one never is)."""
-    return queue_s is not None and queue_s > bound_s
 
 
 def _is_transfer_error(exc: BaseException) -> bool:
@@ -314,9 +309,9 @@ class RouterCore:
         """Admit a colocated attempt (see the module's docstring) and reserve its place
         in the chosen decode worker's prefill queue."""
         local = placed.local
-        if not resume and local is not None and _past(local.queue_s, bound_s):
+        if not resume and local is not None and past_bound(local.queue_s, bound_s):
             least = placed.least_queued
-            if least is None or _past(least[1].queue_s, bound_s):
+            if least is None or past_bound(least[1].queue_s, bound_s):
                 excess = (least[1].queue_s if least else local.queue_s) or 0.0
                 raise Overloaded(
                     f"the cluster is past its prefill capacity: every decode worker has "

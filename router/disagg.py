@@ -132,21 +132,24 @@ def decide(
         and local_s * (1.0 + config.local_prefill_interference * decode_running) < remote_s
     ):
         choice = Decision("local", "faster", local_s)
-    elif _past(remote.queue_s, config) and not _past(local.queue_s, config):
+    elif past_bound(remote.queue_s, config.max_prefill_queue_s) and not past_bound(
+        local.queue_s, config.max_prefill_queue_s
+    ):
         choice = Decision("local", "prefill_saturated", local_s)
     else:
         choice = Decision("remote", "faster", remote_s)
     return _admit(choice, [remote, local], bound)
 
 
-def _past(queue_s: float | None, config: ClusterConfig) -> bool:
-    return queue_s is not None and queue_s > config.max_prefill_queue_s
+def past_bound(queue_s: float | None, bound_s: float) -> bool:
+    """A measured queue longer than the bound (an unmeasured one never is)."""
+    return queue_s is not None and queue_s > bound_s
 
 
 def _admit(choice: Decision, options: list[Option], bound_s: float) -> Decision:
     """`choice`, or a shed decision when every option's queue is past `bound_s`."""
     waits = [o.queue_s for o in options]
-    if not all(w is not None and w > bound_s for w in waits):
+    if not all(past_bound(w, bound_s) for w in waits):
         return choice
     excess = min(w for w in waits if w is not None) - bound_s
     return Decision("shed", "over_capacity", choice.estimate_s, excess)
