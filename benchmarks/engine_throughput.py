@@ -1,7 +1,7 @@
 """Output tokens/s of pdserve's engine against `transformers`, on the same CPU, same threads.
 
     python -m pdserve.benchmarks.engine_throughput [--threads 1 2] [--models tiny mid]
-        [--dtypes bfloat16 float32] [--quick]
+        [--dtypes bfloat16 float32] [--workloads uniform-b1 uniform-b32 varied] [--quick]
 
 Two random Llama checkpoints are built with `transformers` (float32, seeded) into a
 temporary folder, removed at the end. For every (threads, model, dtype) both sides load the
@@ -12,6 +12,11 @@ same checkpoint in that dtype, warm up with a short generate, and run the same w
   pdserve gets all 64 at once; `transformers` runs static batches of 32 in arrival order,
   left-padded, each batch until its longest request; only each request's own max_tokens
   count as output, so the padding work a static batch wastes is charged to it.
+
+`--workloads` picks some of them (default all). On a CPU without bf16 matmul (AVX2 only)
+`transformers`' bfloat16 runs at about a quarter of its float32 speed, and the mid model's
+`varied` workload alone then takes it over an hour at 1 thread: the uniform ones measure
+what thread scaling and batch 1 need in about 15 minutes.
 
 `transformers` runs as its users run it: `model.generate(..., do_sample=False)` with its
 default attention implementation and cache, under `torch.inference_mode()`. At batch 1 the
@@ -70,6 +75,9 @@ MODELS = {
     "tiny": ModelSpec("tiny", 256, 4, 8, 2, 688, 1024),
     "mid": ModelSpec("mid", 1024, 8, 16, 4, 2816, 32000),  # ~156M parameters
 }
+
+
+WORKLOAD_NAMES = ("uniform-b1", "uniform-b32", "varied")  # make_workloads' order
 
 
 @dataclass(frozen=True)
@@ -381,7 +389,7 @@ def run_hf(model: Any, workload: Workload) -> Run:
 
 
 def measure_ours(
-    model_dir: Path, dtype: str, threads: int, workloads: list[Workload], probe_steps: int
+    model_dir: Path, dtype: str, threads: int, workloads: list[Workload], sizes: Sizes
 ) -> tuple[dict[str, Run], float, int]:
     """Per-workload results, the median decode step (s) and the bytes that step reads."""
     torch.set_num_threads(threads)
@@ -392,7 +400,8 @@ def measure_ours(
     print(f"pdserve attention backend: {llm.engine.runner.backend.name}", flush=True)
     llm.generate([random_prompts(random.Random(7), [8], vocab)[0]], SamplingParams(max_tokens=4))
     results = {w.name: run_ours(llm, w) for w in workloads}
-    probe = random_prompts(random.Random(8), [len(workloads[0].prompts[0])], vocab)[0]
+    probe_steps = sizes.output_len
+    probe = random_prompts(random.Random(8), [sizes.prompt_len], vocab)[0]
     step_s = decode_step_s(llm, probe, probe_steps)
     # The median step sits at mid-generation: prompt + half the decode steps of context.
     bytes_read = decode_bytes(llm.engine.model, len(probe) + probe_steps // 2)
@@ -490,10 +499,18 @@ def print_summary(rows: list[Row], decodes: list[DecodeRow]) -> None:
 
 
 def run_config(
-    spec: ModelSpec, model_dir: Path, dtype: str, threads: int, sizes: Sizes, bw: Bandwidth
+    spec: ModelSpec,
+    model_dir: Path,
+    dtype: str,
+    threads: int,
+    sizes: Sizes,
+    bw: Bandwidth,
+    names: list[str],
 ) -> tuple[list[Row], DecodeRow]:
-    workloads = make_workloads(sizes, spec.vocab_size)
-    ours, step_s, bytes_read = measure_ours(model_dir, dtype, threads, workloads, sizes.output_len)
+    # make_workloads' order is WORKLOAD_NAMES' (`--quick`'s big batch is 8, not 32)
+    every = make_workloads(sizes, spec.vocab_size)
+    workloads = [w for w, kind in zip(every, WORKLOAD_NAMES, strict=True) if kind in names]
+    ours, step_s, bytes_read = measure_ours(model_dir, dtype, threads, workloads, sizes)
     hf = measure_hf(model_dir, dtype, threads, workloads)
     rows = [make_row(spec, dtype, threads, w, ours[w.name], hf[w.name]) for w in workloads]
     for r in rows:
@@ -509,6 +526,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "mid"])
     parser.add_argument(
         "--dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16", "float32"]
+    )
+    parser.add_argument(
+        "--workloads", nargs="+", choices=list(WORKLOAD_NAMES), default=list(WORKLOAD_NAMES)
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke run")
     return parser.parse_args()
@@ -542,7 +562,9 @@ def main() -> None:
             )
             for name in model_names:
                 for dtype in args.dtypes:
-                    r, d = run_config(MODELS[name], model_dirs[name], dtype, threads, sizes, bw)
+                    r, d = run_config(
+                        MODELS[name], model_dirs[name], dtype, threads, sizes, bw, args.workloads
+                    )
                     rows += r
                     decodes.append(d)
     print_summary(rows, decodes)
