@@ -31,6 +31,52 @@ LoadFn = Callable[[], Awaitable[dict[str, int]]]
 EventsFn = Callable[[], Awaitable[list[KVEvent]]]
 
 
+class LastKnownLoad:
+    """A `LoadFn` that answers within `wait_s` while the engine is inside a long step.
+
+    A worker's load is read on its engine thread between two steps, and one step can
+    outlast the index lease: a prefill worker with one core took a 2,048-token batch of
+    the mid model in about 14 s, past the 10 s lease, so it left the index mid-step and
+    the router, seeing no prefill worker, had decode workers prefill (reason
+    `no_prefill_worker`, 16 of 48 prompts on `side_by_side.sh mid load` with a raised
+    queue bound). So a read not answered within `wait_s` gives the load of the last
+    answer (the queue as of the step's start; the router counts what it sent since),
+    and the heartbeat renews the lease. Only while the step has run less than
+    `stuck_s` (`busy_s()`: seconds the current step has run, 0 between steps): an engine
+    stuck longer is waited for, the lease lapses and the router stops placing there, as
+    it does for a dead worker. Only one read is outstanding at a time; its answer, when
+    it comes, is the next last-known load.
+    """
+
+    def __init__(
+        self, load: LoadFn, wait_s: float, busy_s: Callable[[], float], stuck_s: float
+    ) -> None:
+        self._load = load
+        self.wait_s = wait_s
+        self._busy_s = busy_s
+        self.stuck_s = stuck_s
+        self.last: dict[str, int] | None = None
+        self.num_stale = 0  # answers given from the last-known load
+        self._pending: asyncio.Future[dict[str, int]] | None = None
+
+    async def __call__(self) -> dict[str, int]:
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.ensure_future(self._load())
+            self._pending.add_done_callback(self._keep)
+        pending = self._pending
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending), self.wait_s)
+        except TimeoutError:
+            if self.last is not None and self._busy_s() < self.stuck_s:
+                self.num_stale += 1
+                return self.last
+        return await pending
+
+    def _keep(self, future: asyncio.Future[dict[str, int]]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.last = future.result()
+
+
 class IndexMember:
     """Keeps one worker's registration and block entries in the index current.
 

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 import torch
 
 from pdserve.cluster.config import ClusterConfig, parse_cpu_set
-from pdserve.cluster.index_member import IndexMember
+from pdserve.cluster.index_member import IndexMember, LastKnownLoad
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.block_pool import KVEvent
@@ -115,12 +115,18 @@ class WorkerReplica:
             # final token of `mixed`'s long prompts came 50-300 ms late under load)
             return self.engine.drain_kv_events()
 
+        load = LastKnownLoad(
+            self.index_load,
+            self.config.heartbeat_s,
+            self.engine.step_running_s,
+            self.config.stall_timeout_s,
+        )
         self.member = IndexMember(
             self.index,
             self.worker_id,
             self.role,
             address,
-            self.index_load,
+            load,
             drain,
             self.engine.kv_snapshot,
             self.config.heartbeat_s,

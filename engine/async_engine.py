@@ -13,6 +13,7 @@ import collections
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -50,10 +51,16 @@ class AsyncEngine:
         self._on_finish: dict[str, Callable[[LLMEngine], Any]] = {}  # engine thread reads
         self._finish_results: dict[str, Any] = {}
         self._ids = itertools.count()
+        self._step_started: float | None = None  # monotonic; set by the engine thread
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
     # -- the event-loop side ------------------------------------------------------
+
+    def step_running_s(self) -> float:
+        """Seconds the engine thread has been in its current step (0 between steps)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between two steps; return its result."""
@@ -206,7 +213,11 @@ class AsyncEngine:
                 self._apply_commands()
                 self._events.extend(self.engine.drain_kv_events())
                 if self.engine.has_unfinished:
-                    outputs = self.engine.step()
+                    self._step_started = time.monotonic()
+                    try:
+                        outputs = self.engine.step()
+                    finally:
+                        self._step_started = None
                     self._events.extend(self.engine.drain_kv_events())
                     self._dispatch(outputs)
                 elif self._held:  # their requests ended without a step (aborted)

@@ -8,7 +8,7 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
-from pdserve.cluster.index_member import IndexMember
+from pdserve.cluster.index_member import IndexMember, LastKnownLoad
 from pdserve.cluster.prefix_index import KVFormatMismatchError, PrefixIndex, WorkerInfo
 from pdserve.deploy.redis_server import free_port
 from pdserve.engine.block_pool import KVEvent, KVEventKind
@@ -100,6 +100,78 @@ def test_heartbeats_keep_the_lease_alive(redis_url: str) -> None:
             await asyncio.sleep(1.5)  # three leases long: only heartbeats keep it alive
             assert "w1" in await index.match(CHAIN)
             assert m.generation == generation, "never had to register again"
+        finally:
+            await m.stop()
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+class LongStep:
+    """A worker whose engine thread is inside one step until `end()`: a load read waits
+    for it, as the engine's command queue makes it wait."""
+
+    def __init__(self) -> None:
+        self.step_done = asyncio.Event()
+        self.reads = 0
+        self.step_s = 1.0  # what busy_s reports
+
+    async def load(self) -> dict[str, int]:
+        self.reads += 1
+        await self.step_done.wait()
+        return {"queued_prompt_tokens": 100 * self.reads}
+
+    def busy_s(self) -> float:
+        return self.step_s
+
+
+def test_a_load_read_during_a_long_step_answers_the_last_known_load() -> None:
+    async def run() -> None:
+        worker = LongStep()
+        worker.step_done.set()
+        load = LastKnownLoad(worker.load, wait_s=0.05, busy_s=worker.busy_s, stuck_s=60.0)
+        assert await load() == {"queued_prompt_tokens": 100}
+        worker.step_done.clear()  # a long step begins
+        assert await load() == {"queued_prompt_tokens": 100}  # within wait_s: the last
+        assert await load() == {"queued_prompt_tokens": 100}
+        assert (worker.reads, load.num_stale) == (2, 2), "one read outstanding, not one a tick"
+        worker.step_done.set()  # the step ends: the outstanding read answers
+        assert await load() == {"queued_prompt_tokens": 200}
+        # stuck past stuck_s: the read is waited for (the lease lapses meanwhile)
+        worker.step_done.clear()
+        worker.step_s = 61.0
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(load(), 0.3)
+        # nothing known yet: waited for too
+        fresh = LastKnownLoad(worker.load, wait_s=0.05, busy_s=lambda: 0.0, stuck_s=60.0)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(fresh(), 0.3)
+
+    asyncio.run(run())
+
+
+def test_a_step_longer_than_the_lease_keeps_the_worker_placed(redis_url: str) -> None:
+    async def run() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex(client, MODEL, lease_s=0.5)
+        blocks = FakeWorker()
+        worker = LongStep()
+        worker.step_done.set()
+        load = LastKnownLoad(worker.load, wait_s=0.05, busy_s=worker.busy_s, stuck_s=60.0)
+        m = IndexMember(
+            index, "w1", "prefill", "", load, blocks.drain, blocks.snapshot, heartbeat_s=0.1
+        )
+        await m.start()
+        try:
+            generation = m.generation
+            worker.step_done.clear()  # one step, three leases long
+            await asyncio.sleep(1.5)
+            assert "w1" in await index.match(CHAIN), "a long step is not a dead worker"
+            assert m.generation == generation and load.num_stale > 0
+            worker.step_s = 61.0  # now it counts as stuck: no heartbeat, the lease lapses
+            await asyncio.sleep(1.5)
+            assert "w1" not in await index.match(CHAIN)
+            worker.step_done.set()
         finally:
             await m.stop()
             await client.aclose()
