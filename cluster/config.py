@@ -234,6 +234,16 @@ def model_app_name(model_id: str) -> str:
     return MODEL_APP_PREFIX + app_slug(model_id)
 
 
+def _default_kv_wait_timeout_s(data: dict[str, Any]) -> float:
+    """The KV wait of a request whose queue is at the shedding bound (ClusterConfig)."""
+    at_bound = data.get("kv_wait_factor", 2.0) * data.get("max_prefill_queue_s", 4.0)
+    return max(10.0, at_bound + data.get("kv_wait_floor_s", 2.0))
+
+
+def _default_first_token_timeout_s(data: dict[str, Any]) -> float:
+    return max(120.0, 2.0 * data.get("kv_wait_timeout_s", 10.0))
+
+
 class ClusterConfig(BaseModel):
     """Everything a router, prefill or decode replica needs to know about the cluster."""
 
@@ -278,10 +288,16 @@ class ClusterConfig(BaseModel):
     # Admission: past this many seconds of queued prefill work on every option, a
     # request gets 429 with Retry-After. The decode worker waits for a request's KV
     # kv_wait_factor x the estimated prefill time + kv_wait_floor_s, at most
-    # kv_wait_timeout_s (the queue at the bound, 2 x 4 s + 2 s, fits in the default 10 s:
-    # KV admitted at the bound is not expected late; the floor absorbs call latencies and
-    # scheduling jitter that no estimate of compute sees).
+    # kv_wait_timeout_s, whose default is that wait for a queue at the bound (2 x 4 s +
+    # 2 s = 10 s with the defaults; raising the bound raises it): KV admitted at the bound
+    # is not expected late. The floor absorbs call latencies and scheduling jitter that no
+    # estimate of compute sees.
     max_prefill_queue_s: float = Field(default=4.0, gt=0)
+    # Conditional disaggregation spills a prompt to its decode worker once the prefill
+    # worker's queue is past this (reason prefill_saturated), at most max_prefill_queue_s:
+    # raising the shedding bound to queue more does not leave the decode workers idle
+    # while the prefill pool's queue grows.
+    prefill_spill_queue_s: float = Field(default=4.0, gt=0)
     kv_wait_factor: float = Field(default=2.0, ge=1)
     kv_wait_floor_s: float = Field(default=2.0, ge=0)
 
@@ -406,9 +422,12 @@ class ClusterConfig(BaseModel):
     # Leases and deadlines (docs/kv-handoff.md).
     worker_lease_s: float = Field(default=10.0, gt=0)
     heartbeat_s: float = Field(default=1.0, gt=0)
-    kv_wait_timeout_s: float = Field(default=10.0, gt=0)
+    # Unset, the KV wait for a queue at max_prefill_queue_s (at least 10 s), and a first
+    # token deadline of twice that (at least 120 s): a request admitted at the bound whose
+    # KV still came late is then prefilled by its decode worker, about as long again.
+    kv_wait_timeout_s: float = Field(default_factory=_default_kv_wait_timeout_s, gt=0)
     transfer_timeout_s: float = Field(default=30.0, gt=0)
-    first_token_timeout_s: float = Field(default=120.0, gt=0)
+    first_token_timeout_s: float = Field(default_factory=_default_first_token_timeout_s, gt=0)
     max_resumes: int = Field(default=2, ge=0, description="decode failures one stream survives")
     stall_timeout_s: float = Field(default=120.0, gt=0)
 

@@ -170,13 +170,13 @@ def _up(args: argparse.Namespace) -> int:
         replica_num_gpus=args.replica_gpus,
         worker_lease_s=args.worker_lease_s,
         heartbeat_s=args.heartbeat_s,
-        kv_wait_timeout_s=args.kv_wait_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s,
         disagg_policy=args.disagg_policy,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         local_prefill_max_running=args.local_prefill_max_running,
         local_prefill_interference=args.local_prefill_interference,
         max_prefill_queue_s=args.max_prefill_queue_s,
+        prefill_spill_queue_s=args.prefill_spill_queue_s,
         kv_wait_factor=args.kv_wait_factor,
         kv_wait_floor_s=args.kv_wait_floor_s,
         api_keys=api_keys,
@@ -207,6 +207,8 @@ def _up(args: argparse.Namespace) -> int:
         )
     else:
         fields["models"] = specs
+    if args.kv_wait_timeout_s is not None:  # unset: derived from --max-prefill-queue-s
+        fields["kv_wait_timeout_s"] = args.kv_wait_timeout_s
     config = ClusterConfig(**fields)
     # Everything a replica would trip over, before anything starts (seconds, not the
     # ready timeout). The embedded Redis is started by run_up, so only an external one
@@ -586,8 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--kv-wait-timeout-s",
         type=float,
-        default=10.0,
-        help="the longest a decode worker waits for pushed KV before prefilling itself",
+        default=None,
+        help="the longest a decode worker waits for pushed KV before prefilling itself "
+        "(default: the wait of a queue at --max-prefill-queue-s, at least 10)",
     )
     up.add_argument(
         "--transfer-timeout-s",
@@ -627,6 +630,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=4.0,
         help="past this many seconds of queued prefill work everywhere, 429",
+    )
+    disagg.add_argument(
+        "--prefill-spill-queue-s",
+        type=float,
+        default=4.0,
+        help="past this many seconds of queued work on the prefill worker, the decode worker "
+        "prefills instead (conditional; at most --max-prefill-queue-s)",
     )
     disagg.add_argument(
         "--kv-wait-factor", type=float, default=2.0, help="KV wait = factor x estimate + floor"

@@ -129,8 +129,67 @@ def test_a_lower_priority_is_shed_at_its_share_of_the_queue_bound() -> None:
 
 def test_a_long_prompt_is_not_shed_by_an_idle_cluster() -> None:
     # 20 s of its own compute, nothing queued: only queues count against the bound
-    d = decide(config(max_prefill_queue_s=4.0), remote(uncached=20_000), local(20_000), 0)
+    cfg = config(max_prefill_queue_s=4.0, kv_wait_timeout_s=60.0)
+    d = decide(cfg, remote(uncached=20_000), local(20_000), 0)
     assert (d.where, d.reason) == ("remote", "prefill_idle")
+    # D waits 10 s at most (the default): its KV would be late, D prefills it from the start
+    d = decide(config(max_prefill_queue_s=4.0), remote(uncached=20_000), local(20_000), 0)
+    assert (d.where, d.reason, d.local_prefill_reason) == ("local", "kv_wait_limit", "policy")
+
+
+def test_a_remote_prefill_longer_than_the_kv_wait_goes_to_the_decode_worker() -> None:
+    cfg = config(
+        max_prefill_queue_s=600.0,
+        prefill_spill_queue_s=600.0,
+        kv_wait_timeout_s=10.0,
+        local_prefill_interference=1.0,
+    )
+    # P: 20 s queued + 0.5 s; D (10 streams, weighted 11x) would be slower, but D gives
+    # up on KV after 10 s and prefills it then anyway
+    d = decide(cfg, remote(queued=20_000), local(), decode_running=10)
+    assert (d.where, d.reason) == ("local", "kv_wait_limit")
+    assert d.estimate_s == pytest.approx(0.512)
+    # within the wait: the split
+    d = decide(cfg, remote(queued=9_000), local(), decode_running=10)
+    assert (d.where, d.reason) == ("remote", "faster")
+    # never onto a D past the shedding bound
+    d = decide(cfg, remote(queued=20_000), local(queued=700_000), decode_running=10)
+    assert (d.where, d.reason) == ("remote", "faster")
+
+
+def test_the_spill_threshold_is_its_own_below_a_raised_shedding_bound() -> None:
+    # an operator who queues instead of shedding (600 s) still has D help past 4 s of P
+    cfg = config(max_prefill_queue_s=600.0, local_prefill_interference=1.0)
+    assert cfg.prefill_spill_queue_s == 4.0
+    d = decide(cfg, remote(queued=5_000), local(), decode_running=10)
+    assert (d.where, d.reason) == ("local", "prefill_saturated")
+    assert decide(cfg, remote(queued=3_000), local(), decode_running=10).where == "remote"
+    # both past the threshold: whichever finishes the prompt sooner, the queues even out
+    d = decide(cfg, remote(queued=10_000), local(queued=6_000), decode_running=10)
+    assert (d.where, d.reason) == ("local", "prefill_saturated")
+    d = decide(cfg, remote(queued=6_000), local(queued=10_000), decode_running=10)
+    assert (d.where, d.reason) == ("remote", "faster")
+    # P past the shedding bound, D not: D, however slow
+    d = decide(cfg, remote(queued=601_000), local(queued=590_000), decode_running=10)
+    assert (d.where, d.reason) == ("local", "prefill_saturated")
+    # the threshold never exceeds the shedding bound
+    low = config(max_prefill_queue_s=2.0, local_prefill_interference=1.0)
+    d = decide(low, remote(queued=2_500), local(), decode_running=10)
+    assert (d.where, d.reason) == ("local", "prefill_saturated")
+
+
+def test_the_kv_wait_and_first_token_deadlines_follow_the_shedding_bound() -> None:
+    default = config()
+    assert (default.kv_wait_timeout_s, default.first_token_timeout_s) == (10.0, 120.0)
+    # a request admitted at a 600 s bound waits 2 x 600 + 2 s for its KV
+    raised = config(max_prefill_queue_s=600.0)
+    assert (raised.kv_wait_timeout_s, raised.first_token_timeout_s) == (1202.0, 2404.0)
+    assert kv_wait_s(raised, Decision("remote", "faster", 500.0)) == pytest.approx(1002.0)
+    # what the operator sets is kept; the dump carries the derived values to the workers
+    explicit = config(max_prefill_queue_s=600.0, kv_wait_timeout_s=30.0)
+    assert (explicit.kv_wait_timeout_s, explicit.first_token_timeout_s) == (30.0, 120.0)
+    again = ClusterConfig.model_validate(raised.model_dump())
+    assert again.kv_wait_timeout_s == 1202.0
 
 
 def test_unmeasured_queues_are_never_shed() -> None:
@@ -166,6 +225,17 @@ def test_the_kv_wait_follows_the_estimate_under_the_maximum() -> None:
     assert kv_wait_s(cfg, Decision("remote", "faster", 30.0)) == pytest.approx(10.0)
     assert kv_wait_s(cfg, Decision("remote", "unmeasured", None)) is None
     assert kv_wait_s(cfg, Decision("local", "faster", 2.0)) is None
+    # a remote decision waits for the latest its prefill can be done: later prompts that
+    # join its step add up to a whole step's budget (2048 tokens) to the work before it
+    cfg = config(kv_wait_timeout_s=600.0, max_num_batched_tokens=2048)
+    d = decide(cfg, remote(queued=512, uncached=512), local(), decode_running=1)
+    assert (d.where, d.estimate_s) == ("remote", pytest.approx(1.024))
+    assert d.latest_s == pytest.approx(2.56)  # (512 + 2048) / 1000
+    assert kv_wait_s(cfg, d) == pytest.approx(2 * 2.56 + 2.0)
+    # a prompt longer than a step: its own tokens
+    d = decide(cfg, remote(queued=512, uncached=3000), local(3000), decode_running=1)
+    assert d.latest_s == pytest.approx(3.512) and d.latest_s == d.estimate_s
+    assert decide(cfg, remote(uncached=512), local(uncached=8), 0).latest_s is None  # local
     # the defaults: a request admitted at the bound still waits under the maximum
     d = config()
     at_bound = d.max_prefill_queue_s  # its queue; its own compute adds to it
