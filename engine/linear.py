@@ -12,11 +12,14 @@ float16 and CUDA keep `F.linear`.
 A CPU without bfloat16 instructions (AVX2 only: no AVX512-BF16, no AMX) has no oneDNN
 bf16 matmul, and `F.linear` in bf16 there widens and multiplies element by element: on a
 2-core AVX2 EPYC, 11 GFLOP/s against 45 for float32, the mid model's 512-token prompt
-took 10 s (47 tok/s). There a bf16 `Linear` holds its weight widened to float32 and
-packed, and runs x widened, the product rounded back to bf16: what a native bf16 matmul
-computes (bf16 operands, float32 sums, a bf16 result), in another summation order. Same
-layer, 2 threads: 4.7x faster at 512 rows, 1.8x at 10, 0.7x at 1 row (twice the weight
-bytes to read, which is also what it costs in memory).
+took 10 s (47 tok/s). There a bf16 `Linear` runs the C kernel `cpu_bf16`
+(`csrc/bf16_linear.c`): the weight stays bf16, packed for it at load, and is widened in
+registers; x is widened, the float32 sums rounded back to bf16: what a native bf16
+matmul computes (bf16 operands, float32 sums, a bf16 result), in another summation
+order. Where the kernel is not built (no compiler, `PDSERVE_CPU_KERNELS=0`), the weight
+is held widened to float32 and packed for oneDNN instead (`widened`): as fast for a
+prefill, but a decode step reads twice the bytes, which is also what it costs in memory
+(same layer, 2 threads: 4.7x bf16 `F.linear`'s speed at 512 rows, 1.8x at 10, 0.7x at 1).
 
 `Int8Linear` holds a weight quantized to int8 with one scale per output row
 (`EngineConfig.quantization="int8"`, the transformer blocks' projections): a decode
@@ -39,7 +42,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import cpu_int8
+from pdserve.engine import cpu_bf16, cpu_int8
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,25 @@ def _pack_dtype(weight: torch.Tensor) -> torch.dtype | None:
     return None
 
 
+def _bf16_kernel(weight: torch.Tensor) -> cpu_bf16.Bf16CpuKernel | None:
+    """The C kernel for a bf16 CPU weight where oneDNN has no bf16 matmul, else None."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or cpu_has_bf16_matmul():
+        return None
+    kernel = cpu_bf16.load()
+    if kernel is None or not kernel.vectorised:
+        return None
+    _log_kernel()
+    return kernel
+
+
+@functools.cache
+def _log_kernel() -> None:
+    logger.info(
+        "this CPU has no bfloat16 matmul (no AVX512-BF16 or AMX): bf16 linears run the"
+        " AVX2 kernel of engine/csrc/bf16_linear.c (bf16 weights widened in registers)"
+    )
+
+
 @functools.cache
 def _log_widening() -> None:
     logger.info(
@@ -76,8 +98,9 @@ def _log_widening() -> None:
 class Linear:
     """y = x @ weight.T + bias for x [T, in_features], the weight in the model's dtype.
 
-    `widened`: a bf16 weight held in float32 on a CPU without bf16 matmul (module
-    docstring); x and the result stay bf16.
+    On a CPU without bf16 matmul (module docstring) a bf16 weight runs the C kernel
+    (`kernel`, the weight in its layout in `packed`), or, without it, is held in float32
+    (`widened`); x and the result stay bf16 either way.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -86,6 +109,13 @@ class Linear:
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
         self.widened = False
+        self.kernel = _bf16_kernel(weight)
+        if self.kernel is not None:
+            self.packed = self.kernel.pack(weight)
+            self.weight = None
+            if bias is not None:  # added to the float32 sums, before the rounding
+                self.bias = bias.float()
+            return
         pack_dtype = _pack_dtype(weight)
         if pack_dtype is not None:
             try:
@@ -99,6 +129,12 @@ class Linear:
                     self.bias = bias.to(pack_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            assert self.packed is not None
+            y = self.kernel.linear(x, self.packed, self.out_features)
+            if self.bias is not None:
+                y += self.bias
+            return y.to(x.dtype)
         if self.packed is not None:
             if self.widened:
                 y = torch.ops.mkldnn._linear_pointwise(
@@ -117,7 +153,8 @@ class Linear:
     @property
     def row_bytes(self) -> int:
         """Bytes of one output row: its weights and its bias element."""
-        return (self.in_features + (self.bias is not None)) * self._held().element_size()
+        bias_bytes = 0 if self.bias is None else self.bias.element_size()
+        return self.in_features * self._held().element_size() + bias_bytes
 
     def _held(self) -> torch.Tensor:
         weight = self.packed if self.packed is not None else self.weight

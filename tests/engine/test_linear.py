@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import linear
+from pdserve.engine import cpu_bf16, linear
 from pdserve.engine.linear import Linear
 
 pytestmark = pytest.mark.skipif(
@@ -20,18 +20,43 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
 
+HAS_BF16_KERNEL = (kernel := cpu_bf16.load()) is not None and kernel.vectorised
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(
+            "kernel",
+            marks=pytest.mark.skipif(
+                not HAS_BF16_KERNEL, reason="the bf16 C kernel needs AVX2 and FMA"
+            ),
+        ),
+        "widened",
+    ],
+)
 def test_bf16_without_bf16_matmul_computes_in_float32(
-    monkeypatch: pytest.MonkeyPatch, with_bias: bool
+    monkeypatch: pytest.MonkeyPatch, with_bias: bool, path: str
 ) -> None:
     monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: False)
+    if path == "widened":  # no C kernel (no compiler, PDSERVE_CPU_KERNELS=0)
+        monkeypatch.setattr(linear, "_bf16_kernel", lambda weight: None)
     weight, x = _bf16(48, 64, seed=0), _bf16(7, 64, seed=1)
     bias = _bf16(48, seed=2) if with_bias else None
     lin = Linear(weight, bias)
-    assert lin.widened and lin.packed is not None and lin.weight is None
-    # Held as float32: twice the bf16 bytes, and counted so by the memory profile.
-    assert lin.weight_bytes == (48 * 64 + (48 if with_bias else 0)) * 4
-    assert lin.row_bytes == (64 + with_bias) * 4
+    assert lin.packed is not None and lin.weight is None
+    bias_bytes = 48 * 4 if with_bias else 0  # float32: added to the float32 sums
+    if path == "kernel":
+        # Held as bf16, packed for the kernel: the checkpoint's bytes
+        assert lin.kernel is not None and not lin.widened
+        assert lin.weight_bytes == 48 * 64 * 2 + bias_bytes
+        assert lin.row_bytes == 64 * 2 + (4 if with_bias else 0)
+    else:
+        # Held as float32: twice the bf16 bytes, and counted so by the memory profile.
+        assert lin.kernel is None and lin.widened
+        assert lin.weight_bytes == 48 * 64 * 4 + bias_bytes
+        assert lin.row_bytes == (64 + with_bias) * 4
 
     y = lin(x)
     assert y.dtype == torch.bfloat16 and y.shape == (7, 48)
