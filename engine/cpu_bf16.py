@@ -19,15 +19,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.cpu_kernels import _build
+from pdserve.engine.cpu_kernels import build_library
 
 logger = logging.getLogger(__name__)
 
@@ -107,19 +104,11 @@ class Bf16CpuKernel:
 @functools.cache
 def load() -> Bf16CpuKernel | None:
     """The compiled kernel, or None where it cannot be built here (logged once)."""
-    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        logger.warning("no C compiler found: bf16 linears hold their weights widened")
-        return None
+    lib = build_library(_SOURCE, "the bf16 CPU kernel", "bf16 linears hold their weights widened")
     try:
-        return Bf16CpuKernel(ctypes.CDLL(str(_build(compiler, _SOURCE))))
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
+        return None if lib is None else Bf16CpuKernel(lib)
+    except AttributeError as exc:  # a library without the functions this file expects
         logger.warning(
-            "building the bf16 CPU kernel failed (%s%s): bf16 linears hold their weights widened",
-            exc,
-            f": {detail.decode(errors='replace')[-500:]}" if detail else "",
+            "the bf16 CPU kernel is incomplete (%s): bf16 linears hold their weights widened", exc
         )
         return None

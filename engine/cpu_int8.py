@@ -20,15 +20,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.cpu_kernels import _build
+from pdserve.engine.cpu_kernels import build_library
 
 logger = logging.getLogger(__name__)
 
@@ -127,19 +124,9 @@ class Int8CpuKernel:
 @functools.cache
 def load() -> Int8CpuKernel | None:
     """The compiled kernel, or None where it cannot be built here (logged once)."""
-    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        logger.warning("no C compiler found: int8 linears use torch's op")
-        return None
+    lib = build_library(_SOURCE, "the int8 CPU kernel", "int8 linears use torch's op")
     try:
-        return Int8CpuKernel(ctypes.CDLL(str(_build(compiler, _SOURCE))))
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning(
-            "building the int8 CPU kernel failed (%s%s): int8 linears use torch's op",
-            exc,
-            f": {detail.decode(errors='replace')[-500:]}" if detail else "",
-        )
+        return None if lib is None else Int8CpuKernel(lib)
+    except AttributeError as exc:  # a library without the functions this file expects
+        logger.warning("the int8 CPU kernel is incomplete (%s): int8 linears use torch's op", exc)
         return None

@@ -318,22 +318,38 @@ def _check(
         raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {tuple(k.shape)}")
 
 
-@functools.cache
-def load() -> CpuKernels | None:
-    """The compiled kernels, or None where they cannot be built here (logged once)."""
+def build_library(sources: Path | tuple[Path, ...], what: str, fallback: str) -> ctypes.CDLL | None:
+    """The shared object of `sources`, loaded; None, logged, where it cannot be built here:
+    `PDSERVE_CPU_KERNELS=0`, no C compiler (`$CC`, else gcc or cc), or a failed build.
+    `what` names the kernel and `fallback` says what runs instead, for the log line."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention uses the torch path")
+        logger.warning("no C compiler found: %s", fallback)
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(_build(compiler))))
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        return ctypes.CDLL(str(_build(compiler, sources)))
+    except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         logger.warning(
-            "building the CPU kernels failed (%s%s): decode attention uses the torch path",
+            "building %s failed (%s%s): %s",
+            what,
             exc,
             f": {detail.decode(errors='replace')[-500:]}" if detail else "",
+            fallback,
         )
+        return None
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The compiled kernels, or None where they cannot be built here (logged once)."""
+    lib = build_library(_SOURCES, "the CPU kernels", "decode attention uses the torch path")
+    if lib is None:
+        return None
+    try:
+        return CpuKernels(lib)
+    except AttributeError as exc:  # a library without the functions this file expects
+        logger.warning("the CPU kernels are incomplete (%s): attention uses the torch path", exc)
         return None
