@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.engine.cpu_kernels import build_library
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.c"
 PANEL = 16  # outputs a panel (the C file's P)
@@ -104,11 +101,6 @@ class Bf16CpuKernel:
 @functools.cache
 def load() -> Bf16CpuKernel | None:
     """The compiled kernel, or None where it cannot be built here (logged once)."""
-    lib = build_library(_SOURCE, "the bf16 CPU kernel", "bf16 linears hold their weights widened")
-    try:
-        return None if lib is None else Bf16CpuKernel(lib)
-    except AttributeError as exc:  # a library without the functions this file expects
-        logger.warning(
-            "the bf16 CPU kernel is incomplete (%s): bf16 linears hold their weights widened", exc
-        )
-        return None
+    return build_library(
+        _SOURCE, "the bf16 CPU kernel", "bf16 linears hold their weights widened", Bf16CpuKernel
+    )

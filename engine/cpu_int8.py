@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.engine.cpu_kernels import build_library
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "int8_linear.c"
 # The packed layout (the C file's R and C): groups of ROWS output rows, each cut into
@@ -124,9 +121,6 @@ class Int8CpuKernel:
 @functools.cache
 def load() -> Int8CpuKernel | None:
     """The compiled kernel, or None where it cannot be built here (logged once)."""
-    lib = build_library(_SOURCE, "the int8 CPU kernel", "int8 linears use torch's op")
-    try:
-        return None if lib is None else Int8CpuKernel(lib)
-    except AttributeError as exc:  # a library without the functions this file expects
-        logger.warning("the int8 CPU kernel is incomplete (%s): int8 linears use torch's op", exc)
-        return None
+    return build_library(
+        _SOURCE, "the int8 CPU kernel", "int8 linears use torch's op", Int8CpuKernel
+    )

@@ -31,13 +31,17 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from pdserve.engine import kv_quant
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _CSRC = Path(__file__).with_name("csrc")
 _HEADERS = (_CSRC / "paged_decode.h", _CSRC / "paged_prefill_item.h")
@@ -318,10 +322,13 @@ def _check(
         raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {tuple(k.shape)}")
 
 
-def build_library(sources: Path | tuple[Path, ...], what: str, fallback: str) -> ctypes.CDLL | None:
-    """The shared object of `sources`, loaded; None, logged, where it cannot be built here:
-    `PDSERVE_CPU_KERNELS=0`, no C compiler (`$CC`, else gcc or cc), or a failed build.
-    `what` names the kernel and `fallback` says what runs instead, for the log line."""
+def build_library(
+    sources: Path | tuple[Path, ...], what: str, fallback: str, wrap: Callable[[ctypes.CDLL], T]
+) -> T | None:
+    """`wrap` of the shared object of `sources`, loaded; None, logged, where it cannot be
+    built here: `PDSERVE_CPU_KERNELS=0`, no C compiler (`$CC`, else gcc or cc), a failed
+    build, or a library without the functions `wrap` looks up (AttributeError). `what`
+    names the kernel and `fallback` says what runs instead, for the log line."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -329,8 +336,8 @@ def build_library(sources: Path | tuple[Path, ...], what: str, fallback: str) ->
         logger.warning("no C compiler found: %s", fallback)
         return None
     try:
-        return ctypes.CDLL(str(_build(compiler, sources)))
-    except (OSError, subprocess.SubprocessError) as exc:
+        return wrap(ctypes.CDLL(str(_build(compiler, sources))))
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         logger.warning(
             "building %s failed (%s%s): %s",
@@ -345,11 +352,6 @@ def build_library(sources: Path | tuple[Path, ...], what: str, fallback: str) ->
 @functools.cache
 def load() -> CpuKernels | None:
     """The compiled kernels, or None where they cannot be built here (logged once)."""
-    lib = build_library(_SOURCES, "the CPU kernels", "decode attention uses the torch path")
-    if lib is None:
-        return None
-    try:
-        return CpuKernels(lib)
-    except AttributeError as exc:  # a library without the functions this file expects
-        logger.warning("the CPU kernels are incomplete (%s): attention uses the torch path", exc)
-        return None
+    return build_library(
+        _SOURCES, "the CPU kernels", "decode attention uses the torch path", CpuKernels
+    )
