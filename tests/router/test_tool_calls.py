@@ -481,11 +481,14 @@ PIECES = [
     pieces=st.lists(st.sampled_from(PIECES), max_size=40),
 )
 def test_fuzz_any_split_agrees(mode: ToolMode, pieces: list[str]) -> None:
-    """Markup in any order: nothing raises, every split agrees, no text is lost."""
+    """Markup in any order: nothing raises, every split agrees, no text is lost (but
+    what `required` drops on purpose: an array cut short before a call's name, which
+    is an unfinished call, not content)."""
     text = "".join(pieces)
     content, calls = check(mode, text, seeds=2)
     if not calls:
-        assert content == text
+        unfinished = mode == "required" and text.lstrip().startswith("[")
+        assert content == text or (unfinished and content == ""), (content, text)
     content, calls = check("named", text, "f", seeds=1)
     assert content is None and calls[0].arguments == (text or "{}")
 
