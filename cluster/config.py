@@ -430,6 +430,10 @@ class ClusterConfig(BaseModel):
     first_token_timeout_s: float = Field(default_factory=_default_first_token_timeout_s, gt=0)
     max_resumes: int = Field(default=2, ge=0, description="decode failures one stream survives")
     stall_timeout_s: float = Field(default=120.0, gt=0)
+    # How long running streams may go on once the cluster stops (pdserve up's SIGINT or
+    # SIGTERM, `serve run`'s Ctrl-C, `serve shutdown`): then each ends with an error event
+    # and the replicas stop. Within Kubernetes' default 30 s termination grace.
+    shutdown_grace_s: float = Field(default=10.0, ge=0, le=600)
 
     @field_validator("speculative")
     @classmethod

@@ -28,6 +28,7 @@ from typing import Any, cast
 from ray.serve import Application, Deployment
 
 from pdserve.cluster.config import ClusterConfig, ConfigError, PoolAutoscaling, model_app_name
+from pdserve.cluster.scheduling import replica_ask, router_ask
 from pdserve.decode_worker.deployment import DecodeServer
 from pdserve.deploy.serve_env import SERVE_ENV, apply_serve_env
 from pdserve.prefill_worker.deployment import PrefillServer
@@ -53,6 +54,25 @@ MODEL_IMPORT_PATH = "pdserve.deploy.app:model_app_builder"
 # requests at once and ends it as soon as it holds none.
 ROUTER_DRAIN_S = 300.0
 _TARGETED = {"request_router_class": "pdserve.router.request_router:TargetedRequestRouter"}
+
+
+def router_shutdown_timeout_s(cfg: ClusterConfig) -> float:
+    """Serve's backstop for a stopping router replica: it ends its streams itself at
+    `shutdown_grace_s` (router/draining.py); this leaves it time to send their error
+    events and close its channels before Serve kills it."""
+    return cfg.shutdown_grace_s + 5.0
+
+
+# A worker replica that autoscaling removes finishes its streams for this long at least.
+POOL_DRAIN_S = 30.0
+
+
+def pool_shutdown_timeout_s(cfg: ClusterConfig) -> float:
+    """Serve's wait for a stopping worker replica: a scale-down lets its streams finish
+    (POOL_DRAIN_S); when the cluster stops, its channels end as the routers' streams do
+    (their grace, then the error events), and it then leaves the index and stops its
+    engine (cluster/replica.py `shutdown`)."""
+    return max(POOL_DRAIN_S, cfg.shutdown_grace_s + 10.0)
 
 
 def _replicas(role: str, initial: int, scaling: PoolAutoscaling | None) -> dict[str, Any]:
@@ -98,9 +118,8 @@ def build_app(config: ClusterConfig) -> Application:
 
 
 def _router(cfg: ClusterConfig, runtime_env: dict[str, Any], **options: Any) -> Deployment:
-    router_actor: dict[str, Any] = {"num_cpus": 0, "runtime_env": runtime_env}
-    if cfg.router_resources:
-        router_actor["resources"] = dict(cfg.router_resources)
+    router_actor = {**router_ask(cfg, APP_NAME).actor_options(), "runtime_env": runtime_env}
+    options.setdefault("graceful_shutdown_timeout_s", router_shutdown_timeout_s(cfg))
     return cast(Deployment, Router).options(
         num_replicas=cfg.router_replicas,
         ray_actor_options=router_actor,
@@ -117,32 +136,20 @@ def _pools(
     so that Serve deploys that pool too."""
     from ray import serve
 
+    app = model_app_name(cfg.model_id) if root else APP_NAME
+
     def worker_options(role: str) -> dict[str, Any]:
-        actor: dict[str, Any] = {
-            "num_cpus": cfg.replica_num_cpus,
-            "num_gpus": cfg.replica_num_gpus,
-            "runtime_env": runtime_env,
-        }
-        resources = cfg.pool_resources(role)
-        if resources:  # a node pool: only nodes started with these custom resources
-            actor["resources"] = resources
-        tp = cfg.tp(role)
-        group: dict[str, Any] = {}
-        if tp > 1:
-            # Serve places the replica (rank 0) in bundle 0, which must hold everything
-            # `actor` asks for: it is the same CPUs, GPUs and custom resources.
-            group = {
-                "placement_group_bundles": [cfg.rank_bundle(role) for _ in range(tp)],
-                "placement_group_strategy": "STRICT_PACK",  # all ranks on one node
-            }
+        # Serve places a TP replica (rank 0) in bundle 0 of its placement group, which
+        # holds everything the actor asks for: the same CPUs, GPUs and custom resources.
+        ask = replica_ask(cfg, role, app)
         return {
-            "ray_actor_options": actor,
-            **group,
+            "ray_actor_options": {**ask.actor_options(), "runtime_env": runtime_env},
+            **ask.group_options(),
             "request_router_config": _TARGETED,
             # The engine batches internally: many concurrent requests per replica.
             "max_ongoing_requests": max(cfg.max_num_seqs, 16),
             "health_check_period_s": 5.0,
-            "graceful_shutdown_timeout_s": 30.0,
+            "graceful_shutdown_timeout_s": pool_shutdown_timeout_s(cfg),
         }
 
     decode = cast(Deployment, serve.deployment(DecodeServer)).options(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -58,8 +59,10 @@ def wait_for_ports(
     ports: Iterable[int],
     timeout_s: float = LINGER_WAIT_S,
     on_wait: Callable[[int], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
-    """Return once every port is FREE; `on_wait(port)` once per lingering port.
+    """Return once every port is FREE (or `stop` is set); `on_wait(port)` once per
+    lingering port.
 
     Raises:
         PortInUseError: a port is IN_USE, or still LINGERING after `timeout_s`.
@@ -84,4 +87,7 @@ def wait_for_ports(
             if not told and on_wait is not None:
                 on_wait(port)
                 told = True
-            time.sleep(_POLL_S)
+            if stop is None:
+                time.sleep(_POLL_S)
+            elif stop.wait(_POLL_S):
+                return

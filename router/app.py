@@ -15,6 +15,7 @@ and `priority` (larger is more important; shed and scheduled by it, see priority
 # NOTE: no `from __future__ import annotations` here: FastAPI must see `Request` as a
 # class, not a string, in methods that Ray Serve's ingress re-binds.
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -33,12 +34,14 @@ from pydantic import BaseModel
 from ray import serve
 from redis.exceptions import RedisError
 
-from pdserve.cluster import tracing
+from pdserve.cluster import stop_notice, tracing
 from pdserve.cluster.config import APIKeyDefaults, ClusterConfig
 from pdserve.cluster.prefix_index import WorkerInfo
+from pdserve.cluster.scheduling import SchedulingWatch, cluster_asks, read_cluster
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.core import Overloaded, RouterCore, UpstreamError
+from pdserve.router.core import Overloaded, RouterCore, ShuttingDown, UpstreamError
+from pdserve.router.draining import Drain, serve_app_status
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.model_routing import RULE_HEADER, ModelRouter, Picked, RouteFacts
 from pdserve.router.models import ServedModel, served_models
@@ -106,7 +109,8 @@ api.openapi = _openapi  # type: ignore[method-assign]
 
 
 def _error(exc: ProtocolError, retry_after_s: int = 1) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after_s)} if exc.status_code == 429 else None
+    retry = exc.status_code == 429 or exc.code == ShuttingDown.code
+    headers = {"Retry-After": str(retry_after_s)} if retry else None
     if exc.status_code == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
@@ -118,9 +122,16 @@ def _upstream_error_body(exc: Exception) -> dict[str, Any]:
             "message": str(exc),
             "type": "service_unavailable",
             "param": None,
-            "code": "upstream_unavailable",
+            "code": getattr(exc, "code", "upstream_unavailable"),
         }
     }
+
+
+def _shutting_down(reason: str) -> ProtocolError:
+    return ProtocolError(reason, status_code=503, code=ShuttingDown.code)
+
+
+_STOPPING = "the server is shutting down"
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -221,6 +232,7 @@ def _call_delta_json(delta: ToolCallDelta) -> dict[str, Any]:
     return {**entry, "function": function}
 
 
+UNSCHEDULED_CHECK_S = 5.0  # /health reads Ray's scheduler state at most this often
 POOL_HEALTH_TIMEOUT_S = 2.0  # per pool, when /health must ask the pools directly
 READ_TURN_TIMEOUT_S = 1.0  # the longest a request waits for its turn to read its body
 
@@ -292,6 +304,67 @@ class Router:
         self._unrouted = (
             only.core.metrics if only is not None else self.router_metrics.for_model("")
         )
+        # replicas Ray cannot place, for /health (cluster/scheduling.py): read at most
+        # every UNSCHEDULED_CHECK_S, once this replica knows its application's name
+        self._scheduling: SchedulingWatch | None = None
+        self._unscheduled: list[dict[str, Any]] = []
+        self._unscheduled_at = -UNSCHEDULED_CHECK_S
+        # the cluster's stop, seen from here (draining.py): its application being deleted
+        self.drain = Drain(
+            cfg.shutdown_grace_s,
+            on_expire=self._end_streams,
+            app_status=self._app_status,
+            inflight=lambda: self._inflight,
+            on_drained=self._say_drained,
+            notices=lambda on_notice: stop_notice.listen(self.redis, cfg.cluster_token, on_notice),
+        )
+        self._background: set[asyncio.Task[None]] = set()
+        with contextlib.suppress(RuntimeError):  # no loop yet: started by the first call
+            self.drain.watch()
+
+    async def _app_status(self) -> str | None:
+        try:
+            app_name = serve.get_replica_context().app_name
+        except Exception:  # not a Serve replica (unit tests): never stopped by Serve
+            return None
+        return await serve_app_status(app_name)
+
+    async def unscheduled(self) -> list[dict[str, Any]]:
+        """Deployments with replicas that no node can hold (cluster/scheduling.py)."""
+        if time.monotonic() - self._unscheduled_at < UNSCHEDULED_CHECK_S:
+            return self._unscheduled
+        self._unscheduled_at = time.monotonic()
+        try:
+            if self._scheduling is None:
+                app = serve.get_replica_context().app_name
+                self._scheduling = SchedulingWatch(cluster_asks(self.config, app))
+            view = await asyncio.to_thread(read_cluster, self._scheduling.apps)
+            self._unscheduled = [u.as_json() for u in self._scheduling.check(view)]
+        except Exception as exc:  # not in Serve (unit tests), or the GCS slow: none known
+            logger.debug("scheduling check failed: %r", exc)
+        return self._unscheduled
+
+    def _say_drained(self) -> None:
+        """No request left while draining: tell `pdserve up` (cluster/stop_notice.py)."""
+        try:
+            router_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # not a Serve replica (unit tests)
+            router_id = f"router-{id(self)}"
+
+        async def say() -> None:
+            try:
+                await stop_notice.mark_drained(self.redis, self.config.cluster_token, router_id)
+            except (RedisError, OSError, TimeoutError) as exc:  # its stop goes on regardless
+                logger.warning("could not report the drain done: %r", exc)
+
+        task = asyncio.get_running_loop().create_task(say())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _end_streams(self) -> None:
+        """The grace is over: every request in flight ends with an error (draining.py)."""
+        for served in self.by_model.values():
+            served.core.stop(f"{_STOPPING}: the request did not finish within its grace")
 
     def _served(self, model: str) -> ServedModel:
         """The served model a request names (404 for any other)."""
@@ -299,13 +372,21 @@ class Router:
         return self.by_model[model]
 
     def __del__(self) -> None:
-        """Serve stops the replica: export the spans still batched (tracing on)."""
+        """Serve stops the replica (no request left): close the decode channels, which
+        the decode replicas' own stop waits for, and export the spans still batched."""
+        self.drain.close()
         tracing.flush()
 
     # -- endpoints --------------------------------------------------------------------
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
+        self.drain.watch()
+        if self.drain.draining:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return await self._health()
+
+    async def _health(self) -> JSONResponse:
         """200 once every pool has a live worker, 503 while one has none.
 
         The prefix index says which workers are live. Without it (Redis down) each pool
@@ -332,8 +413,11 @@ class Router:
             all_ok = all_ok and ok
             status = "ok" if ok else "starting"
             per_model[model_id] = {"status": status, "mode": core.config.mode, "workers": counts}
+        unscheduled = await self.unscheduled()
         if len(self.by_model) == 1:
             body = next(iter(per_model.values()))
+            if unscheduled:
+                body = {**body, "unscheduled": unscheduled}
         else:
             total = {
                 role: sum(m.get("workers", {}).get(role, 0) for m in per_model.values())
@@ -341,6 +425,8 @@ class Router:
             }
             status = "ok" if all_ok else "starting"
             body = {"status": status, "workers": total, "models": per_model}
+            if unscheduled:
+                body["unscheduled"] = unscheduled
         return JSONResponse(body, status_code=200 if all_ok else 503)
 
     @api.get("/metrics")
@@ -425,6 +511,10 @@ class Router:
         self, kind: str, request: Request, arrival: float, span: Span | None
     ) -> Response:
         endpoint = "completions" if kind == "completion" else "chat"
+        self.drain.watch()
+        if self.drain.draining:
+            self._unrouted.requests.labels(endpoint, "503").inc()
+            return _error(_shutting_down(_STOPPING))
         try:
             body, key_defaults = await self._admit(request)
         except ProtocolError as exc:
@@ -611,6 +701,8 @@ class Router:
 
     def _release(self) -> None:
         self._inflight -= 1
+        if self.drain.draining:
+            self.drain.idle()
 
     # -- serving ------------------------------------------------------------------------
 
@@ -640,6 +732,11 @@ class Router:
             r.served.core.metrics.requests.labels(endpoint, "429").inc()
             shed = ProtocolError(str(exc), status_code=429, code="overloaded")
             return _error(shed, exc.retry_after_s)
+        except ShuttingDown as exc:
+            self._release()
+            endpoint = "completions" if r.kind == "completion" else "chat"
+            r.served.core.metrics.requests.labels(endpoint, "503").inc()
+            return _error(_shutting_down(str(exc)))
         except BaseException:  # e.g. cancelled (the client went away): the slot is free
             self._release()
             raise

@@ -22,11 +22,12 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _ABORT_TIMEOUT_S = 5.0
 _SUBMIT_TRIES = 3  # a channel can end (idle) just as a request is submitted on it
@@ -78,6 +79,8 @@ class DecodeChannels:
         self._conns: dict[str, Connection] = {}
         self._opening: dict[str, asyncio.Task[Connection]] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._stopped: Callable[[], BaseException] | None = None  # `stop`ped: the error
+        self._stopping = asyncio.Event()
 
     @property
     def num_open(self) -> int:
@@ -87,6 +90,8 @@ class DecodeChannels:
         """A channel to decode replica `target` (if None, to the replica Serve picks for
         this call; the returned connection says which). Opening one costs a round trip;
         requests after the first reuse it."""
+        if self._stopped is not None:
+            raise self._stopped()
         if target is None:
             # No placement (the index is down): Serve picks the replica for each request,
             # as it spreads them; the channel to the one it picked is reused.
@@ -100,7 +105,25 @@ class DecodeChannels:
             self._opening[target] = task
             task.add_done_callback(lambda t: self._forget_opening(target, t))
         # shield: one waiter's cancellation must not cancel the others' open
-        return await asyncio.shield(task)
+        return await self.unless_stopped(asyncio.shield(task))
+
+    async def unless_stopped(self, awaitable: Awaitable[T]) -> T:
+        """`await awaitable`, unless `stop` comes first: then raise its error (a call to a
+        pool that is stopping too may never be answered)."""
+        if self._stopped is not None:
+            raise self._stopped()
+        call = asyncio.ensure_future(awaitable)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({call, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not call.done():
+                call.cancel()
+        if call.done() and not call.cancelled():
+            return call.result()
+        assert self._stopped is not None
+        raise self._stopped()
 
     def _forget_opening(self, target: str, task: asyncio.Task[Connection]) -> None:
         if self._opening.get(target) is task:
@@ -186,7 +209,8 @@ class DecodeChannels:
                 raise
         except Exception as exc:  # a dead replica: Ray's error types
             why = f"the decode worker failed: {type(exc).__name__}"
-            logger.warning("channel to decode worker %s broke: %r", conn.worker_id, exc)
+            if self._stopped is None:  # else: closed here, on purpose
+                logger.warning("channel to decode worker %s broke: %r", conn.worker_id, exc)
         finally:
             conn.alive = conn.accepting = False
             if self._conns.get(conn.worker_id) is conn:
@@ -222,6 +246,16 @@ class DecodeChannels:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def stop(self, error: Callable[[], BaseException]) -> None:
+        """For good: every request on a channel gets an `error()` as its next item, every
+        channel closes, and a request submitted later raises one."""
+        self._stopped = error
+        self._stopping.set()
+        for conn in self._conns.values():
+            for queue in conn.queues.values():
+                queue.put_nowait(error())
+        self.close()
 
     def close(self) -> None:
         if self._watcher is not None:
@@ -287,7 +321,7 @@ class ChannelStream:
                 **self._kwargs,
             )
             try:
-                accepted = dict(await reply)
+                accepted = dict(await channels.unless_stopped(reply))
             except asyncio.CancelledError:
                 conn.queues.pop(request_id, None)
                 channels.abort_when_accepted(conn, request_id, reply)

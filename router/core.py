@@ -73,6 +73,12 @@ class Overloaded(UpstreamError):
         self.retry_after_s = retry_after_s
 
 
+class ShuttingDown(UpstreamError):
+    """The cluster is stopping: the request is refused, or its grace ran out (draining.py)."""
+
+    code = "shutting_down"
+
+
 class _DecodeFailed(UpstreamError):
     """The decode worker serving a stream died or broke it: the request can resume."""
 
@@ -177,6 +183,14 @@ class RouterCore:
         )
         self.index_available = True
         self._log = OncePerCause(logger)
+        self.stopping: str | None = None  # why, once the cluster stops (`stop`)
+
+    def stop(self, reason: str) -> None:
+        """End every request in flight with `ShuttingDown(reason)` and take no more (the
+        cluster stops: router/draining.py). Their decode channels close, so the decode
+        replicas, whose stop waits for them, can stop too."""
+        self.stopping = reason
+        self.channels.stop(lambda: ShuttingDown(reason))
 
     async def live_workers(self) -> list[WorkerInfo]:
         return await asyncio.wait_for(self.index.live_workers(), _INDEX_TIMEOUT_S)
@@ -340,6 +354,8 @@ class RouterCore:
                 of it `priority` sees (priority.py; never for a resumed stream: its
                 client already has tokens).
         """
+        if self.stopping is not None:
+            raise ShuttingDown(self.stopping)
         placed = await self.place(prompt_ids, exclude, cache_salt)
         bound = prefill_queue_bound_s(self.config, priority)
         if self.prefill is None:  # colocated: D prefills, nothing to decide
@@ -509,6 +525,8 @@ class RouterCore:
                     yield item
                 return
             except _DecodeFailed as exc:
+                if self.stopping is not None:  # the cluster stops: nowhere to resume
+                    raise ShuttingDown(self.stopping) from exc
                 failed.add(exc.worker_id or "")
                 if emitted:  # n choices part-streamed: no resume (docs/architecture.md)
                     raise UpstreamError(f"{exc} (parallel sampling does not resume)") from exc
@@ -755,7 +773,7 @@ class RouterCore:
             raise UpstreamError(why) from exc
         except StopAsyncIteration as exc:
             raise _DecodeFailed("the decode worker ended the stream early") from exc
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ShuttingDown):
             raise
         except Exception as exc:  # a dead replica, a failed call: Ray's error types
             logger.warning("decode call failed: %r", exc)

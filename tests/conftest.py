@@ -23,6 +23,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -34,7 +36,12 @@ import pytest
 import torch
 
 from pdserve.benchmarks.bench_report import sample, scrape_metrics
-from pdserve.deploy.redis_server import drain, wait_for_line, wait_session_empty
+from pdserve.deploy.redis_server import (
+    drain,
+    session_members,
+    wait_for_line,
+    wait_session_empty,
+)
 from pdserve.engine.demo_model import CACHE_DIR_ENV, default_model_dir, write_random_model
 
 # NOTE: `triton.jit` decides when a kernel module is imported whether kernels are compiled
@@ -373,7 +380,7 @@ def _kv8_attention(kv_cache_dtype: str) -> str:
 # -- `pdserve up` as a subprocess ---------------------------------------------------------
 
 START_TIMEOUT_S = 240.0
-STOP_TIMEOUT_S = 90.0
+STOP_LIMIT_S = 30.0  # every stop of a cluster, in every state (docs/failures.md, "Stopping")
 
 
 class ClusterURL(str):
@@ -455,15 +462,18 @@ def start_cluster(model_dir: Path, *args: str) -> Iterator[str]:
     try:
         yield _read_until_ready(proc, log)
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # ready and idle: a stop in STOP_LIMIT_S
         try:
-            code = proc.wait(STOP_TIMEOUT_S)
+            code = proc.wait(STOP_LIMIT_S)
         except subprocess.TimeoutExpired:
+            stacks = _py_spy(proc.pid)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise AssertionError("pdserve up did not stop within its deadline") from None
+            raise AssertionError(
+                f"pdserve up did not stop within {STOP_LIMIT_S:g}s:\n{stacks}"
+            ) from None
         assert code == 0, f"pdserve up exited with {code}"
-        left = wait_session_empty(proc.pid)
+        left = wait_session_empty(proc.pid, timeout_s=5.0)
         assert not left, f"pdserve up left processes behind: {left}"
 
 
@@ -530,3 +540,121 @@ def _greedy_args(model: str, prompt: list[int], max_tokens: int) -> dict[str, An
 @pytest.fixture(scope="session")
 def api() -> type[Api]:
     return Api
+
+
+# -- a cluster command stopped by a signal ------------------------------------------------
+
+
+class Stoppable:
+    """A command that runs a cluster (`pdserve up`, `serve run`), run as a user runs it:
+    a session of its own, its stdout and stderr read by a thread, every line kept.
+
+    `wait_for(text)` waits for a line containing `text`; `stop(sig)` sends the signal and
+    asserts the command exits within STOP_LIMIT_S and leaves no process of its session.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str | None] | None = None) -> None:
+        self.argv = argv
+        self.lines: list[str] = []
+        self._seen = threading.Condition()
+        merged: dict[str, str | None] = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={name: value for name, value in merged.items() if value is not None},
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, name="stoppable-read", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            with self._seen:
+                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+                self._seen.notify_all()
+        with self._seen:
+            self.lines.append("")  # EOF: wakes the waiters to see the process ended
+            self._seen.notify_all()
+
+    def tail(self, num_lines: int = 60) -> str:
+        return "\n".join(self.lines[-num_lines:])
+
+    def wait_for(self, text: str, timeout_s: float = START_TIMEOUT_S) -> str:
+        """The first line containing `text` (waiting for it up to `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        with self._seen:
+            start = 0
+            while True:
+                for line in self.lines[start:]:
+                    if text in line:
+                        return line
+                start = len(self.lines)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(
+                        f"no line with {text!r} from {self.argv[:4]} "
+                        f"(exit {self.proc.poll()}):\n{self.tail()}"
+                    )
+                self._seen.wait(remaining)
+
+    def stop(self, sig: signal.Signals, within_s: float = STOP_LIMIT_S) -> tuple[int, float]:
+        """Send `sig`; (the exit code, seconds to exit). Asserts the exit within `within_s`
+        and that nothing of the command's session is left."""
+        started = time.monotonic()
+        self.proc.send_signal(sig)
+        return self.wait_stopped(started, within_s)
+
+    def wait_stopped(self, started: float, within_s: float = STOP_LIMIT_S) -> tuple[int, float]:
+        try:
+            code = self.proc.wait(max(0.0, started + within_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stacks = _py_spy(self.proc.pid)
+            self.kill()
+            raise AssertionError(
+                f"{self.argv[:4]} did not stop within {within_s:g}s:\n{self.tail()}\n{stacks}"
+            ) from None
+        elapsed = time.monotonic() - started
+        left = wait_session_empty(self.proc.pid, timeout_s=5.0)
+        if left:
+            self.kill()
+        assert not left, f"{self.argv[:4]} left processes behind: {left}"
+        return code, elapsed
+
+    def kill(self) -> None:
+        """Kill what is left of the session (a failed test's cleanup)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for line in session_members(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+        self.proc.wait()
+
+
+def _py_spy(pid: int) -> str:
+    """Where each thread of a hung process is (py-spy), for the failure's message."""
+    try:
+        dump = subprocess.run(
+            ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(no py-spy dump: {exc!r})"
+    return dump.stdout + dump.stderr
+
+
+@pytest.fixture
+def stoppable() -> Iterator[Callable[..., Stoppable]]:
+    """`stoppable(argv, env=None)` starts a `Stoppable` (`env` adds to this process's
+    environment; a None value removes the name); whatever is left is killed at the end
+    of the test."""
+    started: list[Stoppable] = []
+
+    def start(argv: list[str], env: dict[str, str | None] | None = None) -> Stoppable:
+        started.append(Stoppable(argv, env))
+        return started[-1]
+
+    yield start
+    for command in started:
+        if command.proc.poll() is None or session_members(command.proc.pid):
+            command.kill()

@@ -38,7 +38,6 @@ from pdserve.deploy.redis_server import (
     drain,
     free_port,
     wait_for_line,
-    wait_session_empty,
 )
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -47,7 +46,7 @@ K8S_DIR = REPO_DIR / "deploy" / "k8s"
 DOCKERFILE = REPO_DIR / "Dockerfile"
 
 START_TIMEOUT_S = 240.0
-STOP_TIMEOUT_S = 90.0
+STOP_LIMIT_S = 30.0  # every stop, in every state (docs/failures.md, "Stopping")
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 # Kinds whose pod template sits at spec.template.
 TEMPLATED_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
@@ -59,8 +58,9 @@ Doc = dict[str, Any]
 # --- `serve run deploy/serve_config.yaml` ------------------------------------------------
 
 
-def render_serve_config(model_dir: Path, redis_url: str, port: int, out: Path) -> Path:
-    """The repository's Serve config with only what this machine must change overridden.
+def render_serve_config(model_dir: Path, redis_url: str, port: int, out: Path, **args: Any) -> Path:
+    """The repository's Serve config with only what this machine must change overridden
+    (and `args`, the application's).
 
     1 prefill + 1 decode replica asking for no Ray CPUs, so the app fits 2 busy cores;
     `disagg_policy: always`, so that the short prompt below proves the split.
@@ -75,75 +75,97 @@ def render_serve_config(model_dir: Path, redis_url: str, port: int, out: Path) -
         decode_replicas=1,
         replica_num_cpus=0,
         disagg_policy="always",
+        **args,
     )
     out.write_text(yaml.safe_dump(config, sort_keys=False))
     return out
 
 
-def _log_tail(log_path: Path, num_chars: int = 6000) -> str:
-    return log_path.read_text(errors="replace")[-num_chars:]
+def _health(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:  # 503 while a pool has no worker
+        return exc.code, json.loads(exc.read())
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> Any:
-    """Poll GET /health until 200 (every pool has a live worker) or the deadline."""
+def _wait_health(url: str, run: Any, ok: Any, what: str) -> Any:
+    """Poll GET /health until `ok(status, body)` or the deadline; the body."""
     deadline = time.monotonic() + START_TIMEOUT_S
     last: object = None
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"serve run exited with {proc.returncode}:\n{_log_tail(log_path)}")
+        if run.proc.poll() is not None:
+            raise AssertionError(f"serve run exited with {run.proc.returncode}:\n{run.tail()}")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-                return json.loads(resp.read())
-        except (urllib.error.URLError, OSError) as exc:  # HTTPError (503) is a URLError
+            last = _health(url)
+            if ok(*last):
+                return last[1]
+        except (urllib.error.URLError, OSError, ValueError) as exc:  # not serving it yet
             last = exc
         time.sleep(0.5)
-    tail = _log_tail(log_path)
-    raise AssertionError(f"not healthy within {START_TIMEOUT_S:g}s ({last}):\n{tail}")
+    raise AssertionError(f"no {what} within {START_TIMEOUT_S:g}s ({last}):\n{run.tail()}")
 
 
-def _stop(proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    """Ctrl-C, as a user stops `serve run`; then nothing of its session may remain."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    try:
-        code = proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        code = None
-    left = wait_session_empty(proc.pid)
-    if code is None or left:
-        os.killpg(proc.pid, signal.SIGKILL)  # never leave a Ray cluster on a shared box
-        proc.wait()
-    assert code is not None, f"serve run did not stop within {STOP_TIMEOUT_S:g}s"
-    assert not left, f"serve run left processes behind: {left}"
-    assert code == 0, f"serve run exited with {code}:\n{_log_tail(log_path)}"
+class ServeRun:
+    """`serve run` on the rendered config, a Redis of its own: a user's terminal.
 
+    `direct_ingress`: the router replicas serve HTTP themselves, with the environment
+    `pdserve up` gives them (deploy/serve_env.py), as docs/failures.md says to run
+    `serve run` for streams to end cleanly when it stops (Serve's own proxy is killed at
+    once on `serve shutdown`, cutting what passes through it).
+    """
 
-@pytest.fixture
-def serve_run(demo_model_dir: Path, tmp_path: Path) -> Iterator[str]:
-    """`serve run` on the rendered config, with its own Redis; yields the base URL."""
-    with EmbeddedRedis() as redis_server:
-        port = free_port()
+    def __init__(
+        self,
+        stoppable: Any,
+        model_dir: Path,
+        redis_url: str,
+        tmp_path: Path,
+        direct_ingress: bool = False,
+        **args: Any,
+    ) -> None:
+        from pdserve.deploy.serve_env import SERVE_ENV, direct_ingress_env
+
+        proxy_port = port = free_port()
+        env: dict[str, str | None] = {
+            "RAY_DEDUP_LOGS": "0",
+            "OMP_NUM_THREADS": "1",
+            "RAY_ADDRESS": None,
+        }
+        if direct_ingress:
+            port = free_port()
+            env |= {**SERVE_ENV, **direct_ingress_env(port, 1, 2.0)}
+        self.url = f"http://127.0.0.1:{port}"
         config_path = render_serve_config(
-            demo_model_dir, redis_server.url, port, tmp_path / "serve_config.yaml"
+            model_dir, redis_url, proxy_port, tmp_path / "serve_config.yaml", **args
         )
         serve_cli = Path(sys.executable).with_name("serve")
         # `--address local`: a fresh local Ray cluster, never one somebody else started.
         argv = [str(serve_cli), "run", "--address", "local", str(config_path)]
-        env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1"}
-        env["OMP_NUM_THREADS"] = "1"
-        env.pop("RAY_ADDRESS", None)
-        log_path = tmp_path / "serve-run.log"
-        with log_path.open("wb") as log:  # a file, not a pipe: Ray's logs can never block it
-            proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            health = _wait_healthy(url, proc, log_path)
-            assert health["workers"] == {"prefill": 1, "decode": 1}, health
-            yield url
-        finally:
-            _stop(proc, log_path)
+        self.run = stoppable(argv, env)
+
+    def healthy(self) -> Any:
+        return _wait_health(self.url, self.run, lambda status, _: status == 200, "200")
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    with EmbeddedRedis() as redis_server:
+        yield redis_server.url
+
+
+@pytest.fixture
+def serve_run(
+    demo_model_dir: Path, tmp_path: Path, stoppable: Any, redis_url: str
+) -> Iterator[str]:
+    """`serve run` on the rendered config, with its own Redis; yields the base URL, and
+    stops it with Ctrl-C, as a user does, once the test is done."""
+    served = ServeRun(stoppable, demo_model_dir, redis_url, tmp_path)
+    health = served.healthy()
+    assert health["workers"] == {"prefill": 1, "decode": 1}, health
+    yield served.url
+    code, _ = served.run.stop(signal.SIGINT)
+    assert code == 0, f"serve run exited with {code}:\n{served.run.tail()}"
 
 
 def test_serve_run_starts_the_app_from_the_config_file(serve_run: str, api: Any) -> None:
@@ -158,6 +180,92 @@ def test_serve_run_starts_the_app_from_the_config_file(serve_run: str, api: Any)
     # decode worker prefilled nothing itself.
     assert api.metric(serve_run, "pdserve_kv_transfer_blocks_total") >= 1
     assert api.local_prefills(serve_run) == {}
+
+
+# Every stop of `serve run` stops (as tests/faults/test_stop_states.py for `pdserve up`):
+# within STOP_LIMIT_S, leaving no process of its session, in every state.
+
+
+def test_serve_run_stops_while_starting(
+    stoppable: Any, demo_model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    served = ServeRun(stoppable, demo_model_dir, redis_url, tmp_path)
+    served.run.wait_for("Submitted deploy config successfully", START_TIMEOUT_S)
+    code, elapsed = served.run.stop(signal.SIGINT)  # the replicas are starting
+    assert code == 0, served.run.tail()
+    assert elapsed < STOP_LIMIT_S
+
+
+def test_serve_run_stops_while_its_replicas_cannot_be_scheduled(
+    stoppable: Any, demo_model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    """A decode pool asking for a resource no node has: /health names it (what one
+    replica asks for, what the cluster has), and SIGTERM still stops everything."""
+    served = ServeRun(
+        stoppable, demo_model_dir, redis_url, tmp_path, decode_resources={"pdserve_test_pool": 1}
+    )
+
+    def named(status: int, body: Any) -> bool:
+        return any(u["deployment"] == "Decode" for u in body.get("unscheduled", []))
+
+    body = _wait_health(served.url, served.run, named, "Decode in /health's unscheduled")
+    (decode,) = body["unscheduled"]
+    assert decode["replica_asks"] == {"pdserve_test_pool": 1.0}
+    assert decode["cluster_free"] == {"pdserve_test_pool": 0.0}
+    assert "cannot be scheduled" in decode["message"]
+    code, elapsed = served.run.stop(signal.SIGTERM)
+    assert code == 15, served.run.tail()  # Ray's driver exits with the signal's number
+    assert elapsed < STOP_LIMIT_S
+
+
+def test_serve_run_stops_while_streaming(
+    stoppable: Any, make_checkpoint: Any, redis_url: str, tmp_path: Path
+) -> None:
+    """Ctrl-C with a stream running: the stream goes on for its grace, then ends with an
+    error event (never a cut connection), and the stop takes less than STOP_LIMIT_S."""
+    model_dir = Path(make_checkpoint(max_position_embeddings=8192))
+    served = ServeRun(
+        stoppable, model_dir, redis_url, tmp_path, direct_ingress=True,
+        shutdown_grace_s=3, dtype="float32",
+    )  # fmt: skip
+    served.healthy()
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(
+        model=client.models.list().data[0].id, prompt="The river", max_tokens=8000,
+        temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    received = 0
+    with pytest.raises(openai.APIError) as caught:
+        for _ in stream:
+            received += 1
+            if received == 5:
+                started = time.monotonic()
+                served.run.proc.send_signal(signal.SIGINT)
+    assert not isinstance(caught.value, openai.APIConnectionError), "the stream was cut"
+    assert caught.value.body is not None and caught.value.body["code"] == "shutting_down"
+    code, elapsed = served.run.wait_stopped(started)
+    assert code == 0, served.run.tail()
+    assert elapsed < STOP_LIMIT_S
+
+
+def test_serve_run_stops_after_a_worker_died(
+    stoppable: Any, api: Any, demo_model_dir: Path, redis_url: str, tmp_path: Path
+) -> None:
+    served = ServeRun(
+        stoppable, demo_model_dir, redis_url, tmp_path, heartbeat_s=0.5, worker_lease_s=3
+    )
+    served.healthy()
+    (decode,) = [
+        w for w in api.get_json(f"{served.url}/workers")["workers"] if w["role"] == "decode"
+    ]
+    os.kill(decode["pid"], signal.SIGKILL)
+    _wait_health(
+        served.url, served.run, lambda _, body: not body.get("workers", {}).get("decode"),
+        "decode worker gone",
+    )  # fmt: skip
+    code, elapsed = served.run.stop(signal.SIGINT)
+    assert code == 0, served.run.tail()
+    assert elapsed < STOP_LIMIT_S
 
 
 def test_serve_config_validates() -> None:
@@ -644,7 +752,7 @@ def test_the_redis_command_requires_its_password(manifests: list[Doc], tmp_path:
         assert b"redis-server" in cmdline and password.encode() not in cmdline
     finally:
         proc.terminate()
-        proc.wait(timeout=STOP_TIMEOUT_S)
+        proc.wait(timeout=STOP_LIMIT_S)
 
 
 def test_the_dashboard_listens_on_the_pod_ip_only(manifests: list[Doc]) -> None:

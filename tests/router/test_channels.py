@@ -283,3 +283,32 @@ async def test_without_a_target_serve_picks_the_replica_of_each_request() -> Non
         (d0 if worker == "d0" else d1).emit(rid, 1, finished=True)
         assert (await _next(s))["token_ids"] == [1]
     channels.close()
+
+
+class _Stopped(RuntimeError):
+    pass
+
+
+@in_loop
+async def test_stopped_channels_fail_every_request_and_take_no_more() -> None:
+    """The cluster stops (router/draining.py): every waiting request gets its own error,
+    the channels close (the decode replica's calls end) and a new request is refused."""
+    decode = FakeDecode()
+    handle = FakeHandle(decode)
+    channels = DecodeChannels(handle, TIMEOUT_S)
+    streams = [_stream(channels, rid) for rid in ("a", "b")]
+    for s in streams:
+        await _next(s)
+    channels.stop(lambda: _Stopped("the server is shutting down"))
+    errors = []
+    for s in streams:
+        with pytest.raises(_Stopped) as caught:
+            await _next(s)
+        errors.append(caught.value)
+    assert errors[0] is not errors[1], "each request raises an error of its own"
+    await _settle()
+    assert channels.num_open == 0
+    assert decode.running == {}, "the closed channel ended the requests on the replica"
+    with pytest.raises(_Stopped):
+        await _next(_stream(channels, "c"))
+    assert decode.submitted == ["a", "b"]
