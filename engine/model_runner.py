@@ -36,6 +36,7 @@ from pdserve.engine.sampler import Sampler, apply_token_bitmask
 from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence, TokenLogprobs
 from pdserve.engine.speculative import accept
+from pdserve.kernels import _variants
 
 if TYPE_CHECKING:
     from pdserve.engine.tp_worker import TPWorkers
@@ -115,8 +116,99 @@ class ModelRunner:
             self.device,
             use_cuda_graph=use_cuda_graph,
         )
-        graphs.capture()
+        # Every kernel variant compiles here, before serving, not at some step: the graphs'
+        # own warm-up runs cover only full-width decodes (kernels/_variants.py).
+        with _variants.REGISTRY.warming():
+            if use_cuda_graph:
+                self.warm_up_kernels(max_model_len)
+            graphs.capture()
         self.graphs = graphs
+
+    @torch.inference_mode()
+    def warm_up_kernels(
+        self, max_model_len: int, max_step_tokens: int | None = None
+    ) -> _variants.WarmupPlan | None:
+        """Launch every bucket of every Triton kernel this runner's steps use, at its
+        shapes (`kernels/_variants.py`, `warmup_plan`; `max_step_tokens`: the token
+        budget, None for a superset), so that each variant compiles now rather than at
+        a step, then mark the variant registry ready; returns the plan.
+
+        The steps' slots are -1 (nothing written) and they read block 0; only
+        `kv_unpack` writes, block 0's own bytes back. None, doing nothing: without the
+        Triton backend, or with tensor parallelism (its forward waits for every rank).
+        """
+        if not self.backend.uses_triton_ops or self.tp_workers is not None:
+            return None
+        plan = _variants.warmup_plan(
+            dtype=self.model.dtype,
+            num_kv_heads=self.model.num_kv_heads,
+            block_size=self.block_size,
+            max_model_len=max_model_len,
+            device=self.device,
+            max_step_tokens=max_step_tokens,
+        )
+        registry = _variants.REGISTRY
+        with registry.warming():
+            for num_tokens in plan.prefill_lens:
+                self._warm_up_step(num_tokens, None, max_model_len)
+            for shape in plan.decode_shapes:
+                self._warm_up_step(0, shape, max_model_len)
+            # a decode after prefill rows: its queries start past them (their alignment)
+            self._warm_up_step(plan.prefill_lens[0], plan.decode_shapes[0], max_model_len)
+            self._warm_up_kv_pack()
+        registry.mark_ready()
+        return plan
+
+    def _warm_up_step(
+        self, num_prefill: int, decode: tuple[int, int] | None, max_model_len: int
+    ) -> None:
+        """A forward of `num_prefill` prefill tokens (chunks of at most `max_model_len`)
+        and `decode` = (rows, block-table width) decode rows, over padding."""
+        meta = self._warm_up_meta(num_prefill, decode or (0, 0), max_model_len)
+        positions = [i for p in meta.prefills for i in range(p.query_len)]
+        num_decode = meta.slot_mapping.numel() - num_prefill
+        hidden = self.model.forward(
+            torch.zeros(num_prefill + num_decode, dtype=torch.int64, device=self.device),
+            self._tensor([*positions, *[0] * num_decode]),
+            self.kv_caches,
+            self.backend,
+            meta,
+        )
+        self.model.logits(hidden)
+
+    def _warm_up_meta(
+        self, num_prefill: int, decode: tuple[int, int], max_model_len: int
+    ) -> AttentionMetadata:
+        """A warm-up step's metadata: slots -1, every table block 0, decode contexts 1."""
+        prefills: list[PrefillMeta] = []
+        for start in range(0, num_prefill, max_model_len):
+            n = min(max_model_len, num_prefill - start)
+            table = torch.zeros(-(-n // self.block_size), dtype=torch.int64, device=self.device)
+            prefills.append(PrefillMeta(start, n, n, table))
+        rows, width = decode
+        decode_meta = None
+        if rows:
+            decode_meta = DecodeMeta(
+                block_tables=torch.zeros(rows, width, dtype=torch.int32, device=self.device),
+                context_lens=torch.ones(rows, dtype=torch.int32, device=self.device),
+                context_lens_list=[1] * rows,
+            )
+        slots = torch.full((num_prefill + rows,), -1, dtype=torch.int64, device=self.device)
+        return AttentionMetadata(
+            slot_mapping=slots,
+            num_prefill_tokens=num_prefill,
+            prefills=prefills,
+            prefill_batch=self._prefill_batch(prefills),
+            decode=decode_meta,
+        )
+
+    def _warm_up_kv_pack(self) -> None:
+        """The KV handoff's gather and scatter (engine/kv_staging.py) of block 0: its own
+        bytes back."""
+        from pdserve.kernels.kv_pack import kv_pack, kv_unpack
+
+        ids = torch.zeros(1, dtype=torch.int64, device="cpu")  # host ids, as the staging's
+        kv_unpack(kv_pack(self.kv_cache, ids), self.kv_cache, ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:

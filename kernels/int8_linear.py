@@ -39,11 +39,20 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._checks import check_device
+from pdserve.kernels._variants import launch
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (largest M, (BLOCK_M, BLOCK_N, BLOCK_K, warps)) by rows, ascending; the last takes any M.
+# Small M (decode): narrow and deep, many programs streaming the weight. fp32's IEEE dots
+# are FMA loops: small tiles, as the attention's.
+_TILES_16BIT = ((16, (16, 32, 256, 4)), (64, (64, 64, 64, 4)), (None, (128, 128, 64, 8)))
+_TILES_FP32 = ((None, (32, 32, 32, 4)),)
 
 
-@triton.jit
+# The row count follows the step's tokens: Triton's own specialisation of it (== 1,
+# divisible by 16) would make a variant per kind of step (kernels/_variants.py); the tiles
+# are already one of a few. The features and strides are fixed per layer.
+@triton.jit(do_not_specialize=["num_rows"])
 def _int8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton args stay unannotated
     x_ptr,
     w_ptr,
@@ -105,7 +114,9 @@ def int8_linear(
         return out
     block_m, block_n, block_k, num_warps = _tile(num_rows, x.dtype)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, block_n))
-    _int8_linear_kernel[grid](
+    launch(
+        _int8_linear_kernel,
+        grid,
         x,
         weight,
         scales,
@@ -141,13 +152,20 @@ def ref_int8_linear(
 def _tile(num_rows: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) for `num_rows` rows of `dtype`; tl.dot needs
     every block dimension >= 16."""
-    if dtype == torch.float32:  # IEEE dots are FMA loops: small tiles, as the attention's
-        return 32, 32, 32, 4
-    if num_rows <= 16:  # decode: narrow and deep, many programs streaming the weight
-        return 16, 32, 256, 4
-    if num_rows <= 64:
-        return 64, 64, 64, 4
-    return 128, 128, 64, 8
+    for max_rows, tile in _tiles(dtype):
+        if max_rows is None or num_rows <= max_rows:
+            return tile
+    raise AssertionError("the last tile takes any row count")
+
+
+def row_buckets(dtype: torch.dtype) -> tuple[int, ...]:
+    """The smallest row count of each tile `_tile` picks for `dtype`: 1, then one past
+    each tile's largest."""
+    return (1, *(max_rows + 1 for max_rows, _ in _tiles(dtype) if max_rows is not None))
+
+
+def _tiles(dtype: torch.dtype) -> tuple[tuple[int | None, tuple[int, int, int, int]], ...]:
+    return _TILES_FP32 if dtype == torch.float32 else _TILES_16BIT
 
 
 def _check(

@@ -46,13 +46,17 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._checks import check_device
+from pdserve.kernels._variants import launch
 
 _MAX_TILE = 4096
 # A same-sized integer view per item size: the copy moves bits, never floating-point values.
 _BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-@triton.jit
+# The buffer's layer and K/V strides follow the number of blocks packed: Triton's own
+# specialisation of them (divisible by 16) would make a variant per kind of count
+# (kernels/_variants.py). The cache's strides and a block's size are fixed.
+@triton.jit(do_not_specialize=["stride_buffer_layer", "stride_buffer_kv"])
 def _kv_pack_kernel(  # type: ignore[no-untyped-def]  # Triton args stay unannotated
     cache_ptr,
     buffer_ptr,
@@ -153,7 +157,9 @@ def _launch(
     bits = _BITS_DTYPE[kv_cache.element_size()]
     cache_bits, buffer_bits = kv_cache.view(bits), buffer.view(bits)
     grid = (ids.numel(), num_layers * 2, triton.cdiv(chunk_numel, block))
-    _kv_pack_kernel[grid](
+    launch(
+        _kv_pack_kernel,
+        grid,
         cache_bits,
         buffer_bits,
         ids,

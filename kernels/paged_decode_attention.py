@@ -46,7 +46,9 @@ attention; online softmax after FlashAttention (Dao et al., 2022) and the Triton
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -54,6 +56,7 @@ import triton.language as tl
 
 from pdserve.kernels import _kv8
 from pdserve.kernels._checks import check_attention_inputs, check_device
+from pdserve.kernels._variants import launch
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -62,14 +65,18 @@ _MAX_HEAD_DIM = 256
 # need more registers than tensor-core MMAs. Not yet tuned by timing on a GPU.
 _TILES = {torch.float32: (32, 8), torch.float16: (32, 4), torch.bfloat16: (32, 4)}
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
-# Auto split-K: aim for a few programs per SM, never below this many tokens per split.
+# Auto split-K: aim for a few programs per SM, never below this many tokens per split;
+# rounded down to a power of two (each split count is a variant to compile: few of them).
 _MIN_TOKENS_PER_SPLIT = 256
-_MAX_SPLITS = 32
+_MAX_SPLITS = 32  # a power of two
 _PROGRAMS_PER_SM = 2
 _CPU_SM_COUNT = 8  # stand-in SM count for the interpreter, where there is no GPU to ask
 
 
-@triton.jit
+# The block table's row stride is its width, which follows the step's longest context:
+# Triton's own specialisation of it (== 1, divisible by 16) would make a variant per kind
+# of width (kernels/_variants.py). Every other stride is fixed for an engine's life.
+@triton.jit(do_not_specialize=["stride_bt_b"])
 def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton args stay unannotated
     q_ptr,
     k_cache_ptr,
@@ -274,7 +281,8 @@ def paged_decode_attention(
             must not exceed max_blocks * block_size (not checked: it would sync).
         scale: softmax scale, usually D ** -0.5.
         num_splits: split-K factor; None picks one from batch size and the longest
-            context the block tables can describe (no device sync), 1 disables split-K.
+            context the block tables can describe (no device sync), a power of two up to
+            32 (`_auto_num_splits`); 1 disables split-K.
         kv_cache_dtype: "auto" (the cache holds q's dtype), or "int8" / "fp8": rows of
             D codes and their bfloat16 scale (engine/kv_quant.py).
 
@@ -309,7 +317,9 @@ def paged_decode_attention(
 
     block_n, num_warps = _TILES[q.dtype]
     grid = (batch, num_kv_heads, num_splits)
-    _paged_decode_kernel[grid](
+    launch(
+        _paged_decode_kernel,
+        grid,
         q,
         k_cache,
         v_cache,
@@ -343,7 +353,9 @@ def paged_decode_attention(
         num_warps=num_warps,
     )
     if num_splits > 1:
-        _reduce_splits_kernel[(batch, num_heads)](
+        launch(
+            _reduce_splits_kernel,
+            (batch, num_heads),
             part_m,
             part_l,
             part_acc,
@@ -366,14 +378,57 @@ def _strides(t: torch.Tensor, ndim: int, num_splits: int) -> tuple[int, ...]:
 
 
 def _auto_num_splits(num_programs: int, max_context: int, device: torch.device) -> int:
-    """Enough splits to give every SM a few programs, each with a worthwhile token range."""
-    if device.type == "cuda":
-        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sm_count = _CPU_SM_COUNT
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count, num_programs)
+    """Enough splits to give every SM a few programs, each with a worthwhile token range,
+    rounded down to a power of two: a split count per batch size and width would be a
+    compile per new step shape; rounding down keeps every split worthwhile."""
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), num_programs)
     worthwhile = max_context // _MIN_TOKENS_PER_SPLIT
-    return max(1, min(wanted, worthwhile, _MAX_SPLITS))
+    splits = max(1, min(wanted, worthwhile, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+@functools.cache  # asked at every launch: no device query past the first
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return _CPU_SM_COUNT
+
+
+def split_shapes(
+    num_kv_heads: int,
+    block_size: int,
+    max_blocks: int,
+    max_rows: int | None,
+    device: torch.device,
+) -> dict[int, tuple[int, int]]:
+    """For each split count `_auto_num_splits` can pick for launches of at most `max_rows`
+    rows (None: any) and `max_blocks` block-table columns, one (rows, width) that picks it.
+
+    The count is the smaller of a term falling with the rows and one rising with the
+    width: the smallest rows (width) giving each value of its term, paired, reach them all.
+    """
+
+    def splits(rows: int, width: int) -> int:
+        return _auto_num_splits(rows * num_kv_heads, width * block_size, device)
+
+    # past this many rows the programs alone fill the device: one split, as at this many
+    filling = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), num_kv_heads)
+    rows_limit = filling if max_rows is None else min(max_rows, filling)
+    by_rows = _smallest_per_value(rows_limit, lambda rows: splits(rows, max_blocks))
+    by_width = _smallest_per_value(max_blocks, lambda width: splits(1, width))
+    shapes: dict[int, tuple[int, int]] = {}
+    for rows in by_rows.values():
+        for width in by_width.values():
+            shapes.setdefault(splits(rows, width), (rows, width))
+    return shapes
+
+
+def _smallest_per_value(limit: int, splits_of: Callable[[int], int]) -> dict[int, int]:
+    """The smallest n in [1, limit] giving each value of `splits_of` (monotone in n)."""
+    smallest: dict[int, int] = {}
+    for n in range(1, limit + 1):
+        smallest.setdefault(splits_of(n), n)
+    return smallest
 
 
 def _check_inputs(

@@ -52,6 +52,7 @@ import triton.language as tl
 
 from pdserve.kernels import _kv8
 from pdserve.kernels._checks import check_attention_inputs, check_device
+from pdserve.kernels._variants import launch
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -62,7 +63,10 @@ _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _TILES = {torch.float32: (32, 32, 8), torch.float16: (64, 64, 8), torch.bfloat16: (64, 64, 8)}
 
 
-@triton.jit
+# The block table's row stride is its width, which follows the step's longest context:
+# Triton's own specialisation of it (== 1, divisible by 16) would make a variant per kind
+# of width (kernels/_variants.py). Every other stride is fixed for an engine's life.
+@triton.jit(do_not_specialize=["stride_bt_s"])
 def _paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton args stay unannotated
     q_ptr,
     k_cache_ptr,
@@ -219,11 +223,13 @@ def paged_prefill_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     if max_query_len <= 0:
         return out
-    max_block_m, block_n, num_warps = _TILES[q.dtype]
-    block_m = min(max_block_m, max(_MIN_DOT, triton.next_power_of_2(max_query_len)))
+    _, block_n, num_warps = _TILES[q.dtype]
+    block_m = _block_m(max_query_len, q.dtype)
 
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
-    _paged_prefill_kernel[grid](
+    launch(
+        _paged_prefill_kernel,
+        grid,
         q,
         k_cache,
         v_cache,
@@ -252,6 +258,22 @@ def paged_prefill_attention(
         num_warps=num_warps,
     )
     return out
+
+
+def _block_m(max_query_len: int, dtype: torch.dtype) -> int:
+    """The query tile: the longest query's length rounded up to a power of two, at least
+    tl.dot's 16 and at most the dtype's tile, so a few variants serve every length."""
+    return min(_TILES[dtype][0], max(_MIN_DOT, triton.next_power_of_2(max_query_len)))
+
+
+def query_len_buckets(dtype: torch.dtype) -> tuple[int, ...]:
+    """The shortest longest-query length of each BLOCK_M `_block_m` picks for `dtype`."""
+    lens = [1]
+    block_m = _MIN_DOT
+    while block_m < _TILES[dtype][0]:
+        lens.append(block_m + 1)
+        block_m *= 2
+    return tuple(lens)
 
 
 def _check_inputs(

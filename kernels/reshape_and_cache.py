@@ -43,6 +43,7 @@ import triton.language as tl
 
 from pdserve.kernels import _kv8
 from pdserve.kernels._checks import check_device
+from pdserve.kernels._variants import launch
 
 # Elements one program holds per tensor (kv heads x padded head_dim).
 _MAX_TILE = 4096
@@ -135,7 +136,9 @@ def reshape_and_cache(
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE // block_d))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
-    _reshape_and_cache_kernel[grid](
+    launch(
+        _reshape_and_cache_kernel,
+        grid,
         k,
         v,
         k_cache,

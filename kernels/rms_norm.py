@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._checks import check_device
+from pdserve.kernels._variants import launch
 
 
 @triton.jit
@@ -92,7 +93,9 @@ def rms_norm(
     residual_out = torch.empty_like(out) if residual is not None else out
     if num_tokens > 0:
         residual_in = residual if residual is not None else x  # unused without HAS_RESIDUAL
-        _rms_norm_kernel[(num_tokens,)](
+        launch(
+            _rms_norm_kernel,
+            (num_tokens,),
             x,
             residual_in,
             weight,

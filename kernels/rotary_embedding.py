@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._checks import check_device
+from pdserve.kernels._variants import launch
 
 _MAX_TILE = 2048
 
@@ -174,7 +175,9 @@ def rotary_embedding(
         return q_out, k_out
     block_half = triton.next_power_of_2(head_dim // 2)
     max_heads = max(1, _MAX_TILE // block_half)
-    _rotary_embedding_kernel[(num_tokens,)](
+    launch(
+        _rotary_embedding_kernel,
+        (num_tokens,),
         positions,
         q,
         k,

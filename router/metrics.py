@@ -54,6 +54,8 @@ _WORKER_GAUGES = {
     "spec_emitted_tokens": "Speculative decoding: tokens emitted by verify rows since start",
     "spec_draft_forward_us": "Speculative decoding: the draft model's forward time since start, us",
     "tp_all_reduce_us_per_step": "Tensor parallel: the driver's all-reduce time per step, us",
+    "kernel_compiles_after_ready": "Triton kernel variants compiled after warm-up (each stalls"
+    " every stream of the worker)",
 }
 
 
