@@ -107,7 +107,15 @@ class EngineConfig(BaseModel):
     )
     enable_prefix_caching: bool = True
     cache_salt: str | None = None
-    attention_backend: AttentionBackendName = "auto"
+    attention_backend: AttentionBackendName = Field(
+        default="auto",
+        description="auto: Triton on CUDA; on CPU the C decode kernel where it builds and"
+        " takes the dtype and KV format, else torch. triton off CUDA (CPU, only under"
+        " TRITON_INTERPRET=1: tests of the path CUDA runs) runs every Triton kernel the"
+        " engine has: attention, cache writes, norm and rotary, and also the int8 matmul"
+        " and the KV handoff's pack/unpack, which otherwise take the C or torch paths there"
+        " (engine/llm_engine.py, triton_off_cuda).",
+    )
     enforce_eager: bool = Field(
         default=False,
         description="CUDA only: run every step eagerly; False replays decode-only steps as"

@@ -29,7 +29,9 @@ kernel `cpu_int8` (`csrc/int8_linear.c`, the weight packed for it at load) where
 compiles vectorised, else `torch.ops.aten._weight_int8pack_mm` (also on devices other
 than CUDA); the Triton kernel `kernels/int8_linear.py` on CUDA, where torch's CUDA
 version of that op is a reference kernel (one thread per output element, the weight rows
-read uncoalesced).
+read uncoalesced). An engine on the Triton attention backend off CUDA (CPU under
+`TRITON_INTERPRET=1`: tests of the whole Triton path) runs the Triton kernel too
+(`Int8Linear.on_triton`).
 """
 
 from __future__ import annotations
@@ -222,13 +224,21 @@ class Int8Linear:
     """
 
     def __init__(
-        self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        triton: bool = False,
     ) -> None:
+        """`triton`: the Triton kernel on any device (off CUDA it runs only in Triton's
+        interpreter); raises ImportError without Triton. Otherwise the device chooses."""
         self.out_features, self.in_features = weight.shape
         self.scales = scales
         self.bias = bias
-        self._kernel = _cuda_kernel() if weight.device.type == "cuda" else None
-        self._cpu = _cpu_kernel(scales) if weight.device.type == "cpu" else None
+        on_triton = triton or weight.device.type == "cuda"
+        self._kernel = _triton_kernel(required=triton) if on_triton else None
+        self._cpu = _cpu_kernel(scales) if weight.device.type == "cpu" and not triton else None
         # Which matmul runs: "c" (cpu_int8), "triton" or "torch" (torch's op).
         self.backend = "c" if self._cpu else "triton" if self._kernel else "torch"
         if self._cpu is not None:
@@ -242,6 +252,14 @@ class Int8Linear:
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         """The int8 layer of the float `weight` [out, in] (`quantize_int8`)."""
         return cls(*quantize_int8(weight), bias)
+
+    def on_triton(self) -> Int8Linear:
+        """This layer's int8 rows, scales and bias multiplied by the Triton kernel."""
+        if self.backend == "triton":
+            return self
+        weight, scales = self.int8_weight()
+        # the torch op's rows are padded: the kernel takes any width, so the copy drops it
+        return Int8Linear(weight.contiguous(), scales, self.bias, triton=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None:
@@ -280,12 +298,14 @@ _Int8Kernel = Callable[
 ]
 
 
-def _cuda_kernel() -> _Int8Kernel | None:
-    """The Triton kernel, imported only on CUDA (a CPU install has no Triton); without
-    Triton, torch's own CUDA op serves (correct, slow)."""
+def _triton_kernel(required: bool) -> _Int8Kernel | None:
+    """The Triton kernel, imported only where it runs (a CPU install has no Triton).
+    Unless `required`, a missing Triton leaves torch's own op (on CUDA: correct, slow)."""
     try:
         from pdserve.kernels.int8_linear import int8_linear
     except ImportError as exc:
+        if required:
+            raise
         logger.warning("Triton unavailable (%s): int8 linears use torch's reference kernel", exc)
         return None
     return int8_linear
