@@ -34,6 +34,7 @@ from pydantic import (
 from pdserve.cluster.model_routes import ModelRoute, route_problems
 from pdserve.engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    AttentionBackendName,
     EngineConfig,
     KVCacheDtype,
     LoadFormat,
@@ -360,6 +361,10 @@ class ClusterConfig(BaseModel):
     # bytes per decode step and per handoff). One setting for the cluster: blocks cross only
     # between workers of one format, and the prefix index refuses a worker of another.
     kv_cache_dtype: KVCacheDtype = "auto"
+    # Both pools' attention backend (EngineConfig.attention_backend). "triton" on CPU runs
+    # every Triton kernel of the engine (the KV pack/unpack of each handoff included) in
+    # Triton's interpreter: only with TRITON_INTERPRET=1 in the replicas' environment.
+    attention_backend: AttentionBackendName = "auto"
     # The decode pool speculates (EngineConfig.speculative, engine/speculative.py):
     # "ngram:k=K[,n=N][,adaptive=on|off]", prompt lookup, or "draft:PATH[,k=K][,...]",
     # a draft model's folder (as `model`, a path on the workers; preflight checks it
@@ -668,6 +673,14 @@ class ClusterConfig(BaseModel):
                 _ping_redis(self.redis_url, redis_timeout_s)
             return out
         assert self.model is not None
+        interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        off_cuda = not self.device.startswith("cuda")
+        if self.attention_backend == "triton" and off_cuda and not interpreting:
+            raise ConfigError(
+                "attention_backend",
+                "triton off CUDA runs only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                "in the environment of pdserve up (its replicas inherit it)",
+            )
         try:
             mc = load_model_config(Path(self.model))
             from pdserve.engine.tokenizer import Tokenizer
@@ -740,6 +753,7 @@ class ClusterConfig(BaseModel):
             load_format=self.load_format,
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype,
+            attention_backend=self.attention_backend,
             speculative=self.speculative if role == "decode" else None,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,

@@ -169,10 +169,18 @@ class DecodeWorker:
         if received is not None:
             info.update(kv_bytes=received.stats.num_bytes, kv_blocks=received.header.num_blocks)
 
+        payload: list[tuple[Any, Any]] = []
+        if received is not None:
+            payload = received_tensors(received)
+            staging = self.engine.engine.kv_staging
+            if staging.on_cuda:  # pinned for an asynchronous import, off the engine thread
+                payload = await asyncio.to_thread(
+                    lambda: [(heads, staging.pin_for_import(t)) for heads, t in payload]
+                )
+
         def start(engine: LLMEngine) -> RequestOutput | None:
             if received is not None:
                 header = received.header
-                payload = received_tensors(received)
                 first_lp = None
                 if header.first_token_logprob is not None:
                     first_lp = TokenLogprobs(
@@ -209,8 +217,8 @@ class DecodeWorker:
                 engine.fork_request(request_id, choice_ids[i - 1], choices_params[i], True)
             return first
 
-        # the import copies the payload into the cache synchronously (engine/kv_staging.py),
-        # so the received buffer can go back as soon as `start` has run
+        # the import is done with the received buffer once `start` has run (a pinned copy
+        # goes on on its own: engine/kv_staging.py), so the buffer can go back then
         release = received.release if received is not None else None
         # coalesce: a stream that falls behind sends several tokens per message
         if n == 1:

@@ -184,6 +184,7 @@ def _up_with(args: argparse.Namespace, signals: StopSignals) -> int:
         load_format=args.load_format,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
         speculative=_absolute_draft(args.speculative),
         tpot_target_ms=args.tpot_target_ms,
         prefill_wait_limit_ms=args.prefill_wait_limit_ms,
@@ -567,6 +568,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the KV cache of both pools: auto (the model's dtype), or int8 / fp8 (e4m3):"
         " 8 bits per value and a bf16 scale per token and KV head, about half the KV bytes"
         " per decode step and per handoff, twice the blocks in the same memory",
+    )
+    up.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "cpu", "triton"],
+        default="auto",
+        help="auto: Triton on CUDA, the C decode kernel on CPU; triton on CPU runs every"
+        " Triton kernel (the KV handoff's pack/unpack too) in Triton's interpreter: tests"
+        " only, with TRITON_INTERPRET=1 in the environment",
     )
     up.add_argument(
         "--speculative",

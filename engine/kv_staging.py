@@ -16,24 +16,36 @@ tensors and bytes only. The assumptions:
    memory: the engine thread returns at once and the next step is not blocked.
    `StagedKV.wait()` blocks until the copy is done (call it off the event loop). Every
    copy goes on that one side stream, so a staging region handed back while its copy was
-   still in flight is rewritten only after that copy (stream order).
+   still in flight is rewritten only after that copy (stream order). A payload crosses the
+   device in chunks of whole layers of at most DEVICE_CHUNK_BYTES (one layer, if one is
+   larger): each chunk is packed only once the previous one's copy is done (the compute
+   stream waits for it on the device, never the host), so an export holds at most one
+   chunk of device memory, which the memory profile keeps out of the KV pool.
 4. Pinned staging memory is one area of `staging_bytes` (EngineConfig.kv_staging_mb),
    allocated at the first export (an engine that never exports pins nothing) and reused
    across requests: regions handed out first fit, returned by `StagedKV.release()` from
    any thread (or when the StagedKV is garbage-collected unreleased). A payload that does
    not fit gets a one-off pinned allocation (counted in `num_one_off`, logged at debug
    level), never a failure.
-5. An import reads pageable host memory (the receiver's numpy buffer). Its host->device
-   copy is synchronous: torch waits for the copy before `.to(device)` returns, so the
-   caller may hand the buffer back as soon as `import_blocks` returns (the decode worker
-   releases it right after admitting the request).
+5. An import from pinned memory (`pin_for_import`, which the decode worker runs off the
+   engine thread: the receiver's buffer is pageable) is asynchronous: on the side stream,
+   after an event of the compute stream (the blocks' earlier users), each chunk of layers
+   is copied to the device and unpacked into its blocks, and an event is recorded. The
+   engine thread returns at once; the first step that touches one of those blocks makes
+   the compute stream wait for that event (`await_imports`: on the device, and only for
+   the imports its sequences use). The pinned source and the device chunk stay alive until
+   the event is passed. From pageable memory (no staging region was free) the copy is
+   synchronous, chunk by chunk, as before: the caller may reuse the buffer once
+   `import_blocks` returns either way.
 6. Block ids are CPU int64 tensors, checked on the host (range; no repeats on import); the
    kernel launcher moves them to the device.
-7. On CPU none of 3-5 applies: an export is today's gather (`ref_kv_pack`, index_select),
+7. On CPU none of 3-5 applies (imports are synchronous, `await_imports` has nothing to
+   wait for): an export is today's gather (`ref_kv_pack`, index_select),
    an import today's scatter (`ref_kv_unpack`, index_copy_); no staging, no extra copy,
-   nothing CUDA is touched. `use_kernels=True` forces the Triton kernels anyway (tests run
-   them under TRITON_INTERPRET=1, which takes CPU tensors), and with them the staging area
-   (plain, unpinned memory on CPU) that the kernel packs into directly.
+   nothing CUDA is touched. `use_kernels=True` forces the Triton kernels anyway (an
+   engine on the Triton attention backend does, run under TRITON_INTERPRET=1, which takes
+   CPU tensors), and with them the staging area (plain, unpinned memory on CPU) that the
+   kernel packs into directly.
 """
 
 from __future__ import annotations
@@ -44,7 +56,8 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 
@@ -54,6 +67,23 @@ import torch
 logger = logging.getLogger(__name__)
 
 _ALIGN = 256  # bytes: region offsets (any item size divides it; DMA-friendly)
+# The most device memory one KV export or import copies through at a time: a larger
+# payload crosses in chunks of blocks. The memory profile keeps this much per direction
+# out of the KV pool (engine/memory_profile.py).
+DEVICE_CHUNK_BYTES = 256 << 20
+
+
+def layer_chunks(num_layers: int, layer_bytes: int) -> list[tuple[int, int]]:
+    """[l0, l1) ranges of layers, each at most DEVICE_CHUNK_BYTES (or one layer)."""
+    per_chunk = max(1, DEVICE_CHUNK_BYTES // max(layer_bytes, 1))
+    return [(l0, min(l0 + per_chunk, num_layers)) for l0 in range(0, num_layers, per_chunk)]
+
+
+def handoff_device_bytes(payload_bytes: int, num_layers: int) -> int:
+    """The most device memory one export or import of `payload_bytes` holds at a time."""
+    layer_bytes = -(-payload_bytes // num_layers)
+    (l0, l1), *_ = layer_chunks(num_layers, layer_bytes)
+    return min(payload_bytes, (l1 - l0) * layer_bytes)
 
 
 class StagedKV:
@@ -144,7 +174,9 @@ class _HostArena:
             else:
                 self._free[i] = (offset + size, free - size)
             if self._buffer is None:
-                self._buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=self._pin)
+                self._buffer = torch.empty(
+                    self.capacity, dtype=torch.uint8, device="cpu", pin_memory=self._pin
+                )
             return self._buffer[offset : offset + nbytes], offset, size
 
     def give(self, offset: int, size: int, dropped: bool = False) -> None:
@@ -182,12 +214,54 @@ class _HostArena:
         self._free = merged
 
 
+class PendingImports:
+    """Asynchronous imports whose copy may still run: the blocks each writes, its event,
+    and what it reads (kept alive until the event is passed).
+
+    `order(block_ids, stream)` makes `stream()` wait for the imports into any of
+    `block_ids` (all: None) that it does not wait for yet, and lets go of those whose
+    event is passed. Plain bookkeeping over anything with `query()` and a stream with
+    `wait_event()`: a CPU test drives it with stand-ins.
+    """
+
+    def __init__(self) -> None:
+        # (blocks, event, what it keeps alive, whether the compute stream waits for it)
+        self._pending: list[tuple[frozenset[int], Any, tuple[Any, ...], bool]] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, block_ids: Sequence[int], event: Any, keep: tuple[Any, ...] = ()) -> None:
+        self._pending.append((frozenset(block_ids), event, keep, False))
+
+    def order(self, block_ids: Collection[int] | None, stream: Callable[[], Any]) -> int:
+        """Returns how many imports the stream was made to wait for."""
+        if not self._pending:
+            return 0
+        waited = 0
+        still = []
+        for blocks, event, keep, ordered in self._pending:
+            if event.query():  # copied: its source and device chunk may go
+                continue
+            touched = block_ids is None or not blocks.isdisjoint(block_ids)
+            if touched and not ordered:
+                stream().wait_event(event)
+                waited += 1
+                ordered = True
+            still.append((blocks, event, keep, ordered))
+        self._pending = still
+        return waited
+
+
 class KVStaging:
     """The engine's KV handoff to and from host memory (see the module docstring).
 
     `use_kernels`: pack/unpack with the Triton kernels (kernels/kv_pack.py); None means
-    exactly when the cache is on CUDA. Exports are staged (packed into the staging area)
-    on CUDA, and on CPU when the kernels are forced.
+    exactly when the cache is on CUDA (the engine forces them on CPU with the Triton
+    attention backend: engine/llm_engine.py). Exports are staged (packed into the staging
+    area) on CUDA, and on CPU when the kernels are forced. `kernel_blocks_packed` and
+    `kernel_blocks_unpacked` count the blocks the kernels moved (a head slice's, gathered
+    in torch, is not counted): what a worker reports to show which path its handoffs took.
     """
 
     def __init__(
@@ -202,7 +276,10 @@ class KVStaging:
         self.staged = self.on_cuda or self.use_kernels
         self.arena = _HostArena(staging_bytes, pin=self.on_cuda)
         self._side_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        self.imports = PendingImports()  # asynchronous imports not yet waited for
         self.num_one_off = 0  # staged exports that did not fit the staging area
+        self.kernel_blocks_packed = 0
+        self.kernel_blocks_unpacked = 0
 
     def payload_shape(
         self, num_blocks: int, heads: tuple[int, int] | None = None
@@ -238,6 +315,8 @@ class KVStaging:
         cache = self._heads_view(heads)
         # NOTE: the Triton kernels address the whole cache; a head slice gathers in torch
         kernels = self.use_kernels and cache is self.kv_cache
+        if kernels:
+            self.kernel_blocks_packed += ids.numel()
         if not self.staged:  # CPU: today's path, one gather into a fresh tensor
             return StagedKV(_gather(cache, ids))
         shape = self.payload_shape(ids.numel(), heads)
@@ -250,24 +329,46 @@ class KVStaging:
             else:
                 torch.index_select(cache, 2, ids, out=host)
             return StagedKV(host, None, region)
-        if kernels:
-            from pdserve.kernels.kv_pack import kv_pack
-
-            packed = kv_pack(self.kv_cache, ids)
-        else:
-            packed = _gather(cache, ids.to(self.device))
         side = self._side_stream
         assert side is not None
-        packed_event = torch.cuda.Event()
-        packed_event.record(torch.cuda.current_stream(self.device))
-        side.wait_event(packed_event)
-        with torch.cuda.stream(side):
-            host.copy_(packed, non_blocking=True)  # pinned destination: truly asynchronous
-            copied = torch.cuda.Event(blocking=True)  # a waiting thread sleeps, not spins
-            copied.record(side)
-        # the caching allocator must not hand `packed` out again before the copy read it
-        packed.record_stream(side)
+        compute = torch.cuda.current_stream(self.device)
+        device_ids = ids.to(self.device)
+        copied: torch.cuda.Event | None = None
+        for l0, l1 in layer_chunks(cache.shape[0], math.prod(shape[1:]) * cache.element_size()):
+            if copied is not None:  # one chunk on the device at a time (module docstring)
+                compute.wait_event(copied)
+            if kernels:
+                from pdserve.kernels.kv_pack import kv_pack
+
+                packed = kv_pack(self.kv_cache[l0:l1], ids)
+            else:
+                packed = _gather(cache[l0:l1], device_ids)
+            packed_event = torch.cuda.Event()
+            packed_event.record(compute)
+            side.wait_event(packed_event)
+            with torch.cuda.stream(side):
+                host[l0:l1].copy_(packed, non_blocking=True)  # pinned: truly asynchronous
+                copied = torch.cuda.Event(blocking=True)  # a waiting thread sleeps, not spins
+                copied.record(side)
+            # the caching allocator must not hand `packed` out again before the copy read it
+            packed.record_stream(side)
         return StagedKV(host, copied, region)
+
+    def pin_for_import(self, payload: torch.Tensor) -> torch.Tensor:
+        """`payload` in pinned memory, for an asynchronous import (CUDA; any thread: the
+        decode worker calls it off the engine thread). The copy owns a staging region
+        until it is collected; `payload` itself as is off CUDA, when it is pinned already,
+        or when no region is free (then the import copies synchronously)."""
+        if not self.on_cuda or payload.is_pinned():
+            return payload
+        taken = self.arena.take(payload.numel() * payload.element_size())
+        if taken is None:
+            return payload
+        view, offset, size = taken
+        pinned = view.view(payload.dtype).view(payload.shape)
+        pinned.copy_(payload)
+        weakref.finalize(pinned, self.arena.give, offset, size).atexit = False
+        return pinned
 
     def import_blocks(
         self,
@@ -275,24 +376,66 @@ class KVStaging:
         block_ids: Sequence[int] | torch.Tensor,
         heads: tuple[int, int] | None = None,
     ) -> None:
-        """Write `payload` (wire layout, usually host memory) into blocks `block_ids`
-        (into KV heads [h0, h1) of this cache only, when `heads` is given).
+        """Write `payload` (wire layout, host memory) into blocks `block_ids` (into KV
+        heads [h0, h1) of this cache only, when `heads` is given).
 
-        Synchronous: when it returns, `payload`'s memory is no longer read (a host->device
-        copy from pageable memory with non_blocking=False completes before `.to` returns),
-        so its buffer may be reused at once. Raises ValueError on a payload of the wrong
+        `payload`'s memory may be reused once this returns: from pageable memory the copy
+        is synchronous; from pinned memory (`pin_for_import`) it is asynchronous, the
+        source kept alive until it is done, and a step that reads the blocks waits for it
+        on the device (`await_imports`). Raises ValueError on a payload of the wrong
         shape or dtype, ids out of range or repeated.
         """
         ids = self._check_ids(block_ids, allow_repeats=False)
         self.check_payload(payload, ids.numel(), heads)
         cache = self._heads_view(heads)
-        buffer = payload.to(self.device)  # synchronous (see above); a no-op on CPU
-        if self.use_kernels and cache is self.kv_cache:
+        kernels = self.use_kernels and cache is self.kv_cache
+        if kernels:
+            self.kernel_blocks_unpacked += ids.numel()
+        if not self.on_cuda:  # synchronous, in place: no copy
+            self._unpack(payload, cache, ids, kernels)
+            return
+        device_ids = ids.to(self.device)
+        chunks = layer_chunks(cache.shape[0], payload[:1].numel() * payload.element_size())
+        if not payload.is_pinned():  # pageable: each chunk's `.to` waits for its copy
+            for l0, l1 in chunks:
+                buffer = payload[l0:l1].to(self.device)
+                self._unpack(buffer, cache[l0:l1], device_ids, kernels, layers=(l0, l1))
+            return
+        side = self._side_stream
+        assert side is not None
+        users = torch.cuda.Event()  # the steps that used these blocks before they were freed
+        users.record(torch.cuda.current_stream(self.device))
+        side.wait_event(users)
+        with torch.cuda.stream(side):
+            for l0, l1 in chunks:
+                buffer = payload[l0:l1].to(self.device, non_blocking=True)
+                self._unpack(buffer, cache[l0:l1], device_ids, kernels, layers=(l0, l1))
+            done = torch.cuda.Event()
+            done.record(side)
+        # NOTE: `buffer` is freed here, in the side stream's order: the caching allocator
+        # hands it out again only to work queued behind this import on that stream.
+        self.imports.add(ids.tolist(), done, keep=(payload, device_ids))
+
+    def await_imports(self, block_ids: Collection[int] | None = None) -> None:
+        """Make the compute stream wait for the imports still copying into `block_ids`
+        (every pending one: None) before the work queued next; call it before a step."""
+        self.imports.order(block_ids, lambda: torch.cuda.current_stream(self.device))
+
+    def _unpack(
+        self,
+        buffer: torch.Tensor,
+        cache: torch.Tensor,
+        ids: torch.Tensor,
+        kernels: bool,
+        layers: tuple[int, int] | None = None,
+    ) -> None:
+        if kernels:
             from pdserve.kernels.kv_pack import kv_unpack
 
-            kv_unpack(buffer.contiguous(), self.kv_cache, ids)
+            target = self.kv_cache if layers is None else self.kv_cache[layers[0] : layers[1]]
+            kv_unpack(buffer.contiguous(), target, ids)
         else:
-            _scatter(buffer, cache, ids.to(self.device))
+            _scatter(buffer, cache, ids)
 
     def check_payload(
         self, payload: torch.Tensor, num_blocks: int, heads: tuple[int, int] | None = None
@@ -324,7 +467,7 @@ class KVStaging:
             self.arena.capacity,
             self.num_one_off,
         )
-        return torch.empty(shape, dtype=dtype, pin_memory=self.on_cuda), None
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.on_cuda), None
 
     def _check_ids(
         self, block_ids: Sequence[int] | torch.Tensor, *, allow_repeats: bool
@@ -332,7 +475,7 @@ class KVStaging:
         if isinstance(block_ids, torch.Tensor):
             ids = block_ids.to("cpu", torch.int64)
         else:
-            ids = torch.tensor(list(block_ids), dtype=torch.int64)
+            ids = torch.tensor(list(block_ids), dtype=torch.int64, device="cpu")  # checked here
         if ids.dim() != 1:
             raise ValueError(f"block ids must be 1-D; got shape {tuple(ids.shape)}")
         num_blocks = self.kv_cache.shape[2]

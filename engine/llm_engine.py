@@ -6,11 +6,15 @@ serialise `add_request`, `abort` and `step` (the workers run it on one thread).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence as Seq
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,7 +22,7 @@ from pdserve.engine import cpu_kernels, kv_quant
 from pdserve.engine.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
 from pdserve.engine.block_pool import BlockPool, KVEvent, KVEventKind
 from pdserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
-from pdserve.engine.cuda_graphs import cuda_graphs_enabled
+from pdserve.engine.cuda_graphs import capture_sizes, cuda_graphs_enabled
 from pdserve.engine.demo_model import resolve_model
 from pdserve.engine.draft import DraftProposer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
@@ -34,7 +38,8 @@ from pdserve.engine.kv_handoff import (
     export_ranges,
     import_prefilled,
 )
-from pdserve.engine.kv_staging import KVStaging
+from pdserve.engine.kv_staging import KVStaging, handoff_device_bytes
+from pdserve.engine.linear import Int8Linear
 from pdserve.engine.memory_profile import (
     CudaMemoryReader,
     DeviceMemory,
@@ -72,6 +77,7 @@ from pdserve.engine.speculative import (
 from pdserve.engine.step_cost import StepCostModel
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp_worker import RankLauncher, TPWorkers
+from pdserve.kernels import _variants
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +100,11 @@ def make_attention_backend(
     """`auto`: Triton on CUDA when installed; on CPU the compiled decode kernel when it
     builds here and takes `dtype` and `kv_cache_dtype` (`engine/cpu_kernels.py`), else
     the torch path."""
+    if name == "triton" and device.type != "cuda" and not interpreting_triton():
+        raise ValueError(
+            "attention_backend='triton' off CUDA runs only in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 in the environment (tests of the path CUDA runs)"
+        )
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
             from pdserve.engine.triton_backend import TritonAttentionBackend
@@ -116,6 +127,29 @@ def make_attention_backend(
                 f"the CPU decode kernel does not take {dtype} with kv_cache_dtype={kv_cache_dtype}"
             )
     return TorchAttentionBackend(kv_cache_dtype)
+
+
+def interpreting_triton() -> bool:
+    """Whether Triton's kernels run in its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_off_cuda(config: EngineConfig) -> bool:
+    """Whether the engine runs all its Triton kernels off CUDA (CPU, under
+    TRITON_INTERPRET=1): there the Triton attention backend is chosen only explicitly,
+    to test the path CUDA runs, so the int8 matmul (`Int8Linear.on_triton`) and the KV
+    pack/unpack (`KVStaging(use_kernels=True)`) leave their C / torch paths for the
+    Triton kernels too. On CUDA they are Triton already."""
+    return config.attention_backend == "triton" and torch.device(config.device).type != "cuda"
+
+
+def int8_on_triton(model: LlamaModel) -> None:
+    """The model's int8 projections multiplied by the Triton kernel from now on."""
+    for layer in model.layers:
+        for field in dataclasses.fields(layer):
+            linear = getattr(layer, field.name)
+            if isinstance(linear, Int8Linear):
+                setattr(layer, field.name, linear.on_triton())
 
 
 class LLMEngine:
@@ -151,6 +185,11 @@ class LLMEngine:
             )
         self.model_id = config.model_id or self.model_dir.name
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            # Triton launches on the thread's current device, not its tensors': the model
+            # loads, profiles and captures its graphs on this one (engine/llm_engine.py
+            # `on_device` covers every later step, whatever thread runs it).
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         tp = config.tensor_parallel_size
         check_tensor_parallel(self.model_config, tp)
@@ -202,6 +241,10 @@ class LLMEngine:
                 self.model.tp = self.tp_workers.group
                 self.tp_workers.wait_ready()
             self.draft_model = self._load_draft()
+            if triton_off_cuda(config):
+                for loaded in (self.model, self.draft_model):
+                    if loaded is not None:
+                        int8_on_triton(loaded)
         except BaseException:
             self.close()
             raise
@@ -259,7 +302,11 @@ class LLMEngine:
             self.device,
             self.tp_workers,
         )
-        self.kv_staging = KVStaging(self.runner.kv_cache, config.kv_staging_mb << 20)
+        self.kv_staging = KVStaging(
+            self.runner.kv_cache,
+            config.kv_staging_mb << 20,
+            use_kernels=True if triton_off_cuda(config) else None,
+        )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -282,6 +329,11 @@ class LLMEngine:
                 min(config.max_cuda_graph_batch_size, config.max_num_seqs), self.max_model_len
             )
             logger.info("captured decode CUDA graphs in %.1f s", time.perf_counter() - start_s)
+        elif tp == 1 and self.device.type == "cuda":
+            # Eager on CUDA: every kernel variant still compiles here, not at a step.
+            start_s = time.perf_counter()
+            if self.runner.warm_up_kernels(self.max_model_len, config.max_num_batched_tokens):
+                logger.info("warmed up the kernels in %.1f s", time.perf_counter() - start_s)
 
     def _context_len(self) -> int:
         """max_model_len, else the model's positions; within any sliding window."""
@@ -416,6 +468,7 @@ class LLMEngine:
             non_torch_bytes=max(end.non_torch_bytes - start.non_torch_bytes, 0),
             block_bytes=self._pool_block_bytes(),
             step_tokens=cfg.max_num_batched_tokens,
+            reserved_bytes=self._reserved_after_sizing(max_len),
         )
         # Never more than the running sequences can use: each block costs the block pool
         # host memory and start time too (millions for a tiny model on a large GPU).
@@ -434,6 +487,23 @@ class LLMEngine:
             )
         why = f" that gpu_memory_utilization={profile.utilization:g} leaves"
         return self._fit_context(max_len, num_blocks, why)
+
+    def _reserved_after_sizing(self, max_len: int) -> int:
+        """Device memory this engine takes once its pool is sized, kept out of the pool:
+        the decode graphs' outputs (each captured size keeps its float32 logits) and a KV
+        handoff's device copies, one export and one import at a time, each at most one
+        chunk of a sequence of `max_len` tokens (engine/kv_staging.py)."""
+        cfg = self.config
+        sequence = cdiv(max_len, cfg.block_size) * self._pool_block_bytes()
+        reserved = 2 * handoff_device_bytes(sequence, self.model_config.num_layers)
+        backend = make_attention_backend(
+            cfg.attention_backend, self.device, self.dtype, cfg.kv_cache_dtype
+        )
+        tp = cfg.tensor_parallel_size
+        if tp == 1 and cuda_graphs_enabled(cfg.enforce_eager, self.device, backend):
+            rows = sum(capture_sizes(min(cfg.max_cuda_graph_batch_size, cfg.max_num_seqs)))
+            reserved += rows * self.model_config.vocab_size * 4
+        return reserved
 
     def _profile_runner(self, num_blocks: int) -> ModelRunner:
         """A runner like the engine's (below) over a scratch KV cache of `num_blocks`."""
@@ -502,16 +572,17 @@ class LLMEngine:
             _check_first_logprobs(first_token, params, first_logprobs)
             seq = self._new_sequence(request_id, prompt_token_ids, params, None)
             _check_first_token(seq, first_token)
-            import_prefilled(
-                seq,
-                payload,
-                first_block,
-                self.kv_manager,
-                self.kv_staging,
-                self.scheduler,
-                own=self.kv_head_range,
-                on_blocks=None if workers is None else partial(workers.import_kv, request_id),
-            )
+            with on_device(self.device):
+                import_prefilled(
+                    seq,
+                    payload,
+                    first_block,
+                    self.kv_manager,
+                    self.kv_staging,
+                    self.scheduler,
+                    own=self.kv_head_range,
+                    on_blocks=None if workers is None else partial(workers.import_kv, request_id),
+                )
         except Exception:  # KVImportError, or a request refused: the ranks' parts go too
             self.drop_kv(request_id)
             raise
@@ -626,14 +697,15 @@ class LLMEngine:
         if self.tp_workers is not None:
             ids = export_block_ids(seq, self.config.block_size, first_block)
             self.tp_workers.export_kv(request_id, ids, ranges)
-        return export_kv(
-            seq,
-            self.kv_staging,
-            self.config.block_size,
-            first_block,
-            export_ranges(own, True, ranges),  # rank 0 holds its heads' lowest copy
-            own_start=own[0],
-        )
+        with on_device(self.device):
+            return export_kv(
+                seq,
+                self.kv_staging,
+                self.config.block_size,
+                first_block,
+                export_ranges(own, True, ranges),  # rank 0 holds its heads' lowest copy
+                own_start=own[0],
+            )
 
     def release_kv(self, request_id: str) -> None:
         """Prefill role: drop a held request's blocks (they stay in the prefix cache)."""
@@ -752,6 +824,12 @@ class LLMEngine:
             "aborted": sched.stats.num_aborted,
             # what the step-time target lets a step prefill beside the running decodes now
             "step_prefill_budget": sched.prefill_budget(),
+            # Triton variants first compiled after warm-up, each a stall of every stream
+            # (kernels/_variants.py; per process, as Triton's kernel cache)
+            "kernel_compiles_after_ready": _variants.REGISTRY.compiles_after_ready,
+            # KV handoff blocks the Triton kernels moved: which path the handoffs took
+            "kv_kernel_blocks_packed": self.kv_staging.kernel_blocks_packed,
+            "kv_kernel_blocks_unpacked": self.kv_staging.kernel_blocks_unpacked,
             **self._parallel_gauges(),
             **(sched.spec_stats.gauges() if sched.proposer is not None else {}),
         }
@@ -775,15 +853,25 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that changed.
 
+        On this engine's device (`on_device`), whatever thread calls it.
+
         With a step-time target, the step's wall time (scheduling to outputs: what a
         stream waits between tokens) teaches the cost model. The sampled tokens' copy to
         the host already waits for the GPU; a step that samples nothing (prefill chunks
         only) would be timed at its kernel launches, so on CUDA it syncs first.
         """
+        with on_device(self.device):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         start_s = self.clock()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
+        if len(self.kv_staging.imports):  # KV still copying in (engine/kv_staging.py)
+            self.kv_staging.await_imports(
+                {b.block_id for item in sched_out.scheduled for b in item.seq.blocks}
+            )
         if self.tp_workers is None:
             result = self.runner.execute(sched_out)
         else:
@@ -935,5 +1023,11 @@ def _check_first_token(seq: Sequence, first_token: int) -> None:
     grammar.rollback(1)  # append_token takes it again once the KV is in
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """`device` as the calling thread's current CUDA device for a block (Triton launches
+    on the current device, not on its tensors'); nothing off CUDA."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize

@@ -23,9 +23,15 @@ Triton modules, ...) and the KV pool, which gets the rest. So the engine
    memory and start time in the block pool too, which matters for tiny models.
 
 Replicas sharing a GPU each take their share (`ClusterConfig` defaults it to 0.9 x
-`replica_num_gpus`). Memory taken after sizing (CUDA graphs, KV staging buffers) comes
-out of the remaining 1 - utilization. The arithmetic is pure and the measurement sits
-behind `MemoryReader`, so a CPU test drives the whole path with a fake reader.
+`replica_num_gpus`). Device memory taken after sizing is kept out of the pool too, so
+that it never comes out of another replica's share: the decode graphs' outputs (each
+captured size keeps its [size, vocab] float32 logits) and the KV handoff's device copies
+(an export's packed payload until its copy to the host is done, an import's until it is
+unpacked), each at most `kv_staging.DEVICE_CHUNK_BYTES` (larger payloads cross in
+chunks). The pinned host staging area is host memory.
+
+The arithmetic is pure and the measurement sits behind `MemoryReader`, so a CPU test
+drives the whole path with a fake reader.
 """
 
 from __future__ import annotations
@@ -110,11 +116,13 @@ def kv_blocks_for_memory(
     peak_torch_bytes: int,
     non_torch_bytes: int,
     block_bytes: int,
+    reserved_bytes: int = 0,
 ) -> int:
     """KV blocks that fit in `utilization` x `total_bytes` beside the engine's torch peak
-    (weights + its largest step) and its memory outside torch; 0 when nothing is left."""
+    (weights + its largest step), its memory outside torch and what it takes after the
+    pool is sized (`reserved_bytes`); 0 when nothing is left."""
     budget = int(total_bytes * utilization) - peak_torch_bytes - non_torch_bytes
-    return max(budget // block_bytes, 0)
+    return max((budget - reserved_bytes) // block_bytes, 0)
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,9 @@ class MemoryProfile:
     non_torch_bytes: int  # this engine's growth outside torch, model load to profile end
     block_bytes: int
     step_tokens: int  # the profiled step's token budget
+    # Taken after the pool is sized: the decode graphs' outputs and the KV handoff's
+    # device copies (LLMEngine._reserved_after_sizing).
+    reserved_bytes: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -136,6 +147,7 @@ class MemoryProfile:
             self.peak_torch_bytes,
             self.non_torch_bytes,
             self.block_bytes,
+            self.reserved_bytes,
         )
 
     @property
@@ -148,7 +160,8 @@ class MemoryProfile:
             f"gpu_memory_utilization={self.utilization:g} of {self.total_bytes / GIB:.2f} GiB"
             f" = {self.total_bytes * self.utilization / GIB:.2f} GiB; torch peak"
             f" {self.peak_torch_bytes / GIB:.2f} GiB (weights + a {self.step_tokens}-token"
-            f" step), {self.non_torch_bytes / GIB:.2f} GiB outside torch; KV"
+            f" step), {self.non_torch_bytes / GIB:.2f} GiB outside torch,"
+            f" {self.reserved_bytes / GIB:.2f} GiB kept for graphs and KV handoffs; KV"
             f" {self.kv_bytes / GIB:.2f} GiB = {self.num_blocks} blocks"
         )
 

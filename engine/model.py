@@ -73,7 +73,9 @@ class LlamaModel:
         self.final_norm = final_norm
         self.lm_head = Linear(lm_head)  # hidden -> vocab; the embedding itself when tied
         self.dtype = embed.dtype
-        self.cos, self.sin = cos_sin_cache(config.rope, config.head_dim, max_positions, self.dtype)
+        self.cos, self.sin = cos_sin_cache(
+            config.rope, config.head_dim, max_positions, self.dtype, embed.device
+        )
         # This rank's heads (all of them without tensor parallelism).
         self.shard = shard
         self.num_heads = config.num_heads if shard is None else shard.num_heads

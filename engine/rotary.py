@@ -13,9 +13,11 @@ import torch
 from pdserve.engine.model_config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+def inverse_frequencies(
+    rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, scaled as `rope.rope_type` says."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -41,11 +43,17 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 def cos_sin_cache(
-    rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype
+    rope: RopeConfig,
+    head_dim: int,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables of shape [max_positions, head_dim] (halves repeated, neox layout)."""
-    inv_freq = inverse_frequencies(rope, head_dim)
-    positions = torch.arange(max_positions, dtype=torch.int64).float()
+    """cos, sin tables of shape [max_positions, head_dim] (halves repeated, neox layout),
+    made on `device`: the model's, where every forward looks them up (as `transformers`
+    computes them on the model's device too)."""
+    inv_freq = inverse_frequencies(rope, head_dim, device)
+    positions = torch.arange(max_positions, dtype=torch.int64, device=device).float()
     freqs = torch.outer(positions, inv_freq)  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)

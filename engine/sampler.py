@@ -224,8 +224,8 @@ def _forbidden_table(device: torch.device) -> torch.Tensor:
     """[256, 8] bool: bit j of byte b is clear (that token is forbidden), per device."""
     table = _FORBIDDEN_TABLES.get(device)
     if table is None:
-        bits = torch.arange(8)
-        table = ((torch.arange(256).unsqueeze(1) >> bits) & 1).eq(0).to(device)
+        bits = torch.arange(8, device=device)
+        table = ((torch.arange(256, device=device).unsqueeze(1) >> bits) & 1).eq(0)
         _FORBIDDEN_TABLES[device] = table
     return table
 

@@ -53,6 +53,7 @@ import torch
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.device_hygiene import enter_from_env
 from pdserve.engine.kv_handoff import ExportedPart, HeadRange, export_ranges
 from pdserve.engine.kv_staging import KVStaging
 from pdserve.engine.parallel import (
@@ -379,6 +380,7 @@ def worker_main(
     messages fail the rank without one. `on_built(runner, shard)`: called once the shard
     is loaded (the Ray launcher keeps the layout for its receiver)."""
     logging.basicConfig(level=logging.INFO, format=f"tp-rank{rank} %(levelname)s %(message)s")
+    enter_from_env()  # tests: this rank's device mistakes raise (engine/device_hygiene.py)
     config = spec.config
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
@@ -391,7 +393,11 @@ def worker_main(
     try:
         group = TPGroup(rank, world_size, spec.init_method, device, config.distributed_timeout_s)
         runner, shard = _build_rank(rank, world_size, spec, group)
-        staging = KVStaging(runner.kv_cache, config.kv_staging_mb << 20)
+        staging = KVStaging(
+            runner.kv_cache,
+            config.kv_staging_mb << 20,
+            use_kernels=True if _triton_off_cuda(config) else None,
+        )
         if on_built is not None:
             on_built(runner, shard)
     except BaseException:
@@ -418,8 +424,10 @@ def worker_main(
                 _kv_message(kind, header, staging, shard, store)
                 continue
             payload = torch.empty(payload_len(header), dtype=torch.int64, device=group.device)
+            staging.await_imports()  # its parts of arrived KV, before any step reads them
             group.broadcast(payload)
             runner.execute_shard(*unpack_step(header, payload))
+            group.count_step()  # lets its collectives' timing events go (engine/parallel.py)
     except Exception:
         logger.exception("tensor-parallel step failed")
         code = 1
@@ -458,11 +466,22 @@ def _kv_message(
         raise TensorParallelError(f"unknown message {kind!r} from the driver")
 
 
+def _triton_off_cuda(config: EngineConfig) -> bool:
+    from pdserve.engine.llm_engine import triton_off_cuda  # llm_engine imports this module
+
+    return triton_off_cuda(config)
+
+
 def _build_rank(
     rank: int, world_size: int, spec: WorkerSpec, group: TPGroup
 ) -> tuple[Any, TPShard]:
     # Imported here: llm_engine imports this module.
-    from pdserve.engine.llm_engine import _DTYPES, make_attention_backend
+    from pdserve.engine.llm_engine import (
+        _DTYPES,
+        int8_on_triton,
+        make_attention_backend,
+        triton_off_cuda,
+    )
     from pdserve.engine.model import load_model
     from pdserve.engine.model_config import load_model_config
     from pdserve.engine.model_runner import ModelRunner, allocate_kv_cache
@@ -485,6 +504,8 @@ def _build_rank(
         config.quantization,
     )
     model.tp = group
+    if triton_off_cuda(config):  # every kernel on Triton, as the driver's (llm_engine.py)
+        int8_on_triton(model)
     runner = ModelRunner(
         model,
         allocate_kv_cache(

@@ -256,3 +256,21 @@ def test_health_without_the_index_asks_every_pool(
         {} if prefill is None else {"prefill": prefill == "answers"}
     )
     assert {role: state == "ok" for role, state in body["pools"].items()} == expected
+
+
+def test_the_triton_backend_off_cuda_needs_the_interpreter(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without TRITON_INTERPRET, Triton's kernels cannot launch on a CPU: the cluster
+    refuses at once, naming the field, and so does the engine (not at a replica's first
+    kernel launch, with the kernel's own error)."""
+    from pdserve.engine import LLM
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    config = ClusterConfig(model=str(model_dir), attention_backend="triton", device="cpu")
+    with pytest.raises(ConfigError, match="attention_backend: triton off CUDA.*TRITON_INTERPRET"):
+        config.preflight()
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        LLM(model_dir, attention_backend="triton", dtype="float32", num_kv_blocks=16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config.preflight()  # the interpreter: allowed

@@ -334,3 +334,57 @@ def test_cuda_engines_and_workers_hand_off_through_the_kernels(model_dir: Path) 
     assert tokens == expected
     run = serve_through_workers(model_dir, use_kernels=False, device="cuda")
     assert asyncio.run(asyncio.wait_for(run, 120)) == expected
+
+
+# -- the device side's bounds and ordering (CPU stand-ins for CUDA's) -------------------
+
+
+def test_a_payload_crosses_the_device_in_chunks_of_whole_layers() -> None:
+    from pdserve.engine.kv_staging import DEVICE_CHUNK_BYTES, handoff_device_bytes, layer_chunks
+
+    mib = 1 << 20
+    assert layer_chunks(32, 8 * mib) == [(0, 32)]  # 256 MiB: one chunk
+    assert layer_chunks(32, 16 * mib) == [(0, 16), (16, 32)]
+    assert layer_chunks(3, 300 * mib) == [(0, 1), (1, 2), (2, 3)]  # a layer past the bound
+    assert handoff_device_bytes(64 * mib, 32) == 64 * mib  # small: the payload itself
+    assert handoff_device_bytes(1 << 30, 32) == DEVICE_CHUNK_BYTES
+    assert handoff_device_bytes(16 << 30, 32) == 512 * mib  # one layer is the least
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.waited: list[_Event] = []
+
+    def wait_event(self, event: _Event) -> None:
+        self.waited.append(event)
+
+
+def test_a_step_waits_only_for_the_imports_into_its_blocks() -> None:
+    """An asynchronous import (CUDA) is waited for on the device by the first step that
+    touches one of its blocks, and by no other; once its event is passed, what it kept
+    alive (the pinned source, the device chunk) goes."""
+    from pdserve.engine.kv_staging import PendingImports
+
+    imports, stream = PendingImports(), _Stream()
+    a, b = _Event(), _Event()
+    source = torch.zeros(4)
+    imports.add([1, 2], a, keep=(source,))
+    imports.add([7], b)
+    assert imports.order({3, 4}, lambda: stream) == 0 and stream.waited == []
+    assert imports.order({2, 9}, lambda: stream) == 1 and stream.waited == [a]
+    assert imports.order({1}, lambda: stream) == 0, "waited for once is enough"
+    assert len(imports) == 2
+    a.done = True
+    assert imports.order({5}, lambda: stream) == 0 and len(imports) == 1  # `a` let go
+    assert imports.order(None, lambda: stream) == 1 and stream.waited == [a, b]  # all
+    b.done = True
+    imports.order(None, lambda: stream)
+    assert len(imports) == 0

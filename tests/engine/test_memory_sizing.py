@@ -90,6 +90,11 @@ def engine(model_dir: Path, reader: Any = None, **config: Any) -> LLMEngine:
     return LLMEngine(model_dir, EngineConfig(**config), memory_reader=reader)
 
 
+def handoff_bytes(max_len: int = MAX_POSITIONS) -> int:
+    """Kept for the KV handoff's device copies: two sequences of the context."""
+    return 2 * cdiv(max_len, 16) * BLOCK_BYTES
+
+
 def scratch_bytes(max_len: int = MAX_POSITIONS) -> int:
     """The profile's scratch KV cache: enough blocks for the larger of its two steps."""
     batches = profile_batches(MAX_SEQS, STEP_TOKENS, max_len)
@@ -187,15 +192,19 @@ def test_the_pool_follows_from_the_measured_numbers(
     assert profile is not None
     assert profile.peak_torch_bytes == engine_peak
     assert profile.non_torch_bytes == 64 * MIB  # the growth; others' 512 MiB are not ours
-    expected = (GIB - engine_peak - 64 * MIB) // BLOCK_BYTES
-    assert profile.num_blocks == expected == 27520
+    # kept for the KV handoff's device copies: an export's and an import's, each at most
+    # one sequence of the context (2048 tokens: 4 MiB here)
+    assert profile.reserved_bytes == handoff_bytes() == 8 * MIB
+    expected = (GIB - engine_peak - 64 * MIB - 8 * MIB) // BLOCK_BYTES
+    assert profile.num_blocks == expected == 27264
     # more than max_num_seqs sequences of the context can use: capped at that
     assert eng.num_kv_blocks == MAX_SEQS * cdiv(MAX_POSITIONS, 16) < expected
     assert eng.max_model_len == MAX_POSITIONS
     assert eng.runner.kv_cache.shape[2] == eng.num_kv_blocks
     (line,) = [r.getMessage() for r in caplog.records if "KV pool sized" in r.getMessage()]
     assert "torch peak 0.10 GiB" in line and "0.06 GiB outside torch" in line, line
-    assert "27520 blocks" in line and "the pool takes 2048 blocks (0.06 GiB)" in line, line
+    assert "0.01 GiB kept for graphs and KV handoffs" in line, line
+    assert "27264 blocks" in line and "the pool takes 2048 blocks (0.06 GiB)" in line, line
     # and the engine serves
     eng.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
     while eng.has_unfinished:
@@ -228,7 +237,7 @@ def test_speculation_profiles_a_step_of_verify_rows(
 
 def test_the_default_utilization_is_0_9_and_limits_the_pool(random_model_dir: Path) -> None:
     start = device(total=GIB, free=GIB)
-    engine_peak = int(0.9 * GIB) - 100 * BLOCK_BYTES - 5
+    engine_peak = int(0.9 * GIB) - 100 * BLOCK_BYTES - handoff_bytes() - 5
     reader = FakeReader(start, start, engine_peak + scratch_bytes())
     eng = engine(random_model_dir, reader)
     assert eng.memory_profile is not None and eng.memory_profile.utilization == 0.9
@@ -249,8 +258,9 @@ def test_a_pool_too_small_for_an_explicit_max_model_len_fails_naming_the_field(
     random_model_dir: Path,
 ) -> None:
     start = device(total=GIB, free=GIB)
-    # 0.5 GiB - (0.5 GiB - 1 MiB) leaves 32 blocks of 16 tokens: 512 < 1024
-    reader = FakeReader(start, start, GIB // 2 - MIB + scratch_bytes(1024))
+    # 0.5 GiB - (0.5 GiB - 1 MiB - the handoff's copies) leaves 32 blocks of 16 tokens
+    peak = GIB // 2 - MIB - handoff_bytes(1024) + scratch_bytes(1024)
+    reader = FakeReader(start, start, peak)
     with pytest.raises(
         InvalidRequestError,
         match=r"32 blocks of 16 that gpu_memory_utilization=0.5 leaves.*max_model_len=1024",
@@ -296,3 +306,26 @@ def test_the_cluster_passes_its_utilization_and_splits_a_shared_gpu(
         model=model, device="cuda", replica_num_gpus=0.5, gpu_memory_utilization=0.3
     )
     assert chosen.engine_config().gpu_memory_utilization == 0.3
+
+
+def test_graph_outputs_and_handoff_copies_are_kept_out_of_the_pool(
+    random_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the engine takes after sizing comes out of its own share, not the 1 -
+    utilization headroom (two replicas sharing a GPU would run out): each captured
+    decode graph keeps its logits, and a handoff copies through the device in chunks of
+    at most DEVICE_CHUNK_BYTES. Graphs need CUDA, so their decision is forced here."""
+    from pdserve.engine import llm_engine
+    from pdserve.engine.cuda_graphs import capture_sizes
+    from pdserve.engine.kv_staging import DEVICE_CHUNK_BYTES
+
+    eng = engine(random_model_dir, num_kv_blocks=64, max_num_seqs=24)
+    sequence = cdiv(MAX_POSITIONS, 16) * BLOCK_BYTES
+    assert eng._reserved_after_sizing(MAX_POSITIONS) == 2 * sequence
+    monkeypatch.setattr(llm_engine, "cuda_graphs_enabled", lambda *args: True)
+    graphs = sum(capture_sizes(24)) * 512 * 4  # rows of float32 logits, vocab 512
+    assert sum(capture_sizes(24)) == 1 + 2 + 4 + 8 + 16 + 24
+    assert eng._reserved_after_sizing(MAX_POSITIONS) == 2 * sequence + graphs
+    # a context long enough for a payload past the chunk: the chunk bounds the copy
+    long_context = 4 * DEVICE_CHUNK_BYTES // BLOCK_BYTES * 16
+    assert eng._reserved_after_sizing(long_context) == 2 * DEVICE_CHUNK_BYTES + graphs

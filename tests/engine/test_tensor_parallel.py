@@ -272,3 +272,48 @@ def test_dead_rank_fails_the_driver(make_checkpoint: Callable[..., Path]) -> Non
         with pytest.raises(TensorParallelError):
             engine.generate([[8, 9, 10]], GREEDY)
         assert time.monotonic() - start < 5.0 + 10
+
+
+class _FakeEvent:
+    """A CUDA event's timing API: done once `done` is set, `ms` after the start event."""
+
+    def __init__(self, ms: float = 1.0) -> None:
+        self.ms = ms
+        self.done = True
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.ms
+
+
+def test_every_rank_lets_its_collective_events_go() -> None:
+    """A rank times its collectives with CUDA events (two per collective, ~130 a step for
+    32 layers) and only the driver ever reads the times: each step must let the finished
+    ones go, on every rank, or they pile up without bound. CPU stand-ins for the events
+    drive `TPGroup`'s bookkeeping (the CUDA path itself needs a GPU: gpu_check's TP
+    check)."""
+    from pdserve.engine.parallel import MAX_PENDING_EVENTS, CollectiveTimes, TPGroup
+
+    group = object.__new__(TPGroup)
+    group._times = CollectiveTimes()
+    for _step in range(50):
+        for _ in range(64):
+            group._times._pending.append(("all_reduce", _FakeEvent(), _FakeEvent()))  # type: ignore[arg-type]
+        group.count_step()
+        assert len(group._times._pending) == 0
+    assert group._times.all_reduce_s == pytest.approx(50 * 64 / 1000)
+    # events still running stay, up to the bound; past it the oldest are waited for
+    running = [_FakeEvent() for _ in range(MAX_PENDING_EVENTS + 10)]
+    for event in running:
+        event.done = False
+        group._times._pending.append(("broadcast", _FakeEvent(), event))  # type: ignore[arg-type]
+    group.count_step()
+    assert len(group._times._pending) == MAX_PENDING_EVENTS
+    assert [e.waited for e in running[:12]] == [True] * 10 + [False] * 2
+    assert group.times().steps == 51 and not group._times._pending
