@@ -268,7 +268,7 @@ def test_the_triton_backend_off_cuda_needs_the_interpreter(
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     config = ClusterConfig(model=str(model_dir), attention_backend="triton", device="cpu")
-    with pytest.raises(ConfigError, match="attention_backend: triton off CUDA.*TRITON_INTERPRET"):
+    with pytest.raises(ConfigError, match=r"attention_backend: triton off CUDA.*TRITON_INTERPRET"):
         config.preflight()
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         LLM(model_dir, attention_backend="triton", dtype="float32", num_kv_blocks=16)
