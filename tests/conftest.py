@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -483,6 +483,29 @@ def pdserve_up() -> Callable[..., AbstractContextManager[str]]:
     return start_cluster
 
 
+T = TypeVar("T")
+
+
+def poll(what: str, check: Callable[[], T], timeout_s: float, interval_s: float = 0.1) -> T:
+    """Call `check()` until it returns a truthy value (an external condition: a cluster's
+    state, a process gone, a span exported); return that value. AssertionError naming
+    `what` once `timeout_s` has passed. The suite's one poll loop (the `poll` fixture)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(interval_s)  # the poll period of an external condition
+
+
+@pytest.fixture(scope="session", name="poll")
+def poll_fixture() -> Callable[..., Any]:
+    """`poll(what, check, timeout_s, interval_s=0.1)`: see `poll` above."""
+    return poll
+
+
 class Api:
     """HTTP helpers for tests against a running cluster (the `api` fixture)."""
 
@@ -658,3 +681,95 @@ def stoppable() -> Iterator[Callable[..., Stoppable]]:
     for command in started:
         if command.proc.poll() is None or session_members(command.proc.pid):
             command.kill()
+
+
+# -- test tiers ---------------------------------------------------------------------------
+#
+# `python -m pytest -m "not cluster"` is the fast tier: it leaves out every test that
+# starts a Ray cluster (`pdserve up`, `serve run`, `ray.init`, a benchmark that runs
+# one), a redis-server (`redis`, which is `cluster` too), network namespaces
+# (`multinode`, also `cluster`) or trains the built-in demo model (`demo`, also
+# `cluster`: ~40 s). A test gets its markers from the fixtures it uses (TIER_FIXTURES)
+# or from `pytest.mark`s in its module; one that starts a cluster or a Redis its markers
+# do not say fails (`_TierGuard`), so the tiers cannot drift.
+
+TIER_FIXTURES = {
+    "cluster": {"pdserve_up", "stoppable", "serve_run", "make_topology"},
+    "redis": {"redis_server", "redis_url"},
+    "demo": {"trained_demo_dir", "demo_rebuild"},
+}
+UMBRELLA = ("redis", "multinode", "demo")  # each is `cluster` too
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in TIER_FIXTURES.items():
+            if names & fixtures and item.get_closest_marker(marker) is None:
+                item.add_marker(marker)
+        umbrella = any(item.get_closest_marker(name) for name in UMBRELLA)
+        if umbrella and item.get_closest_marker("cluster") is None:
+            item.add_marker("cluster")
+
+
+class _TierGuard:
+    """Fails a test that starts a Ray cluster or a redis-server without its marker."""
+
+    def __init__(self) -> None:
+        self.item: pytest.Item | None = None
+
+    def require(self, marker: str, what: str) -> None:
+        item = self.item
+        if item is not None and item.get_closest_marker(marker) is None:
+            raise RuntimeError(
+                f"{item.nodeid} {what} but is not marked `{marker}`: add "
+                f"`pytestmark = pytest.mark.{marker}` (tests/conftest.py, 'test tiers')"
+            )
+
+    def install(self) -> None:
+        import ray
+
+        from pdserve.deploy.redis_server import EmbeddedRedis
+
+        guard = self
+        ray_init, redis_start, popen_init = ray.init, EmbeddedRedis.start, subprocess.Popen.__init__
+
+        def init(*args: Any, **kwargs: Any) -> Any:
+            guard.require("cluster", "starts a Ray cluster (ray.init)")
+            return ray_init(*args, **kwargs)
+
+        def start(self: EmbeddedRedis) -> EmbeddedRedis:
+            guard.require("redis", "starts a redis-server")
+            return redis_start(self)
+
+        def popen(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+            argv = [str(a) for a in args] if isinstance(args, list | tuple) else [str(args)]
+            if _starts_a_cluster(argv):
+                guard.require("cluster", f"runs {' '.join(argv[1:4])}")
+            popen_init(self, args, *rest, **kwargs)
+
+        ray.init = init
+        EmbeddedRedis.start = start  # type: ignore[method-assign]
+        subprocess.Popen.__init__ = popen  # type: ignore[method-assign]
+
+
+def _starts_a_cluster(argv: list[str]) -> bool:
+    """`pdserve up` or `serve run` (a benchmark module that runs a cluster in a process of
+    its own cannot be told from one that does not: its test says so with its marker)."""
+    if "pdserve.deploy.cli up" in " ".join(argv):
+        return True
+    command = argv[0] if argv else ""
+    return (command.endswith("pdserve") and argv[1:2] == ["up"]) or (
+        command.endswith("serve") and argv[1:2] == ["run"]
+    )
+
+
+_TIERS = _TierGuard()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _TIERS.install()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _TIERS.item = item

@@ -26,6 +26,8 @@ import pytest
 from pdserve.benchmarks.gpu_check import CHECKS as CHECK_LIST
 from pdserve.benchmarks.gpu_check import Reference, compare_with_margin
 
+pytestmark = pytest.mark.cluster  # tests/conftest.py, 'test tiers'
+
 RUN_TIMEOUT_S = 900.0
 CHECKS = (
     "kernels",

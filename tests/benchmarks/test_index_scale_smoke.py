@@ -23,6 +23,8 @@ import pytest
 
 from pdserve.deploy.redis_server import session_members, wait_session_empty
 
+pytestmark = pytest.mark.redis  # tests/conftest.py, 'test tiers'
+
 RUN_TIMEOUT_S = 120.0  # ~3 s on an idle 2-core box
 SMOKE_SIZES = (2000, 5000)  # what --smoke loads
 ROWS = (

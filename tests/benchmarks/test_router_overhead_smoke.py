@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cluster  # tests/conftest.py, 'test tiers'
+
 RUN_TIMEOUT_S = 240.0  # ~25 s on an idle 2-core box: the cluster start is most of it
 NUM_REQUESTS = 4
 

@@ -24,6 +24,8 @@ import pytest
 from pdserve.deploy.app import SERVE_ENV
 from pdserve.deploy.redis_server import session_members, wait_session_empty
 
+pytestmark = pytest.mark.cluster  # tests/conftest.py, 'test tiers'
+
 RUN_TIMEOUT_S = 240.0  # ~30 s on an idle 2-core box: the cluster start is most of it
 MAX_TOKENS = 8
 

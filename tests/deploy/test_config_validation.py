@@ -67,6 +67,7 @@ def _up(model_dir: Path, *flags: str) -> tuple[int, str, float]:
     return proc.returncode, err, wall_s
 
 
+@pytest.mark.cluster  # runs `pdserve up` (which exits before starting anything)
 @pytest.mark.parametrize(
     ("field", "flags"),
     [
@@ -99,6 +100,7 @@ def test_up_rejects_a_bad_configuration_at_once(
     assert "Traceback" not in err, err
 
 
+@pytest.mark.cluster  # runs `pdserve up`
 def test_up_rejects_an_unreachable_redis_without_printing_its_password(model_dir: Path) -> None:
     url = f"redis://:{PASSWORD}@127.0.0.1:{free_port()}/0"  # nothing listens there
     code, err, wall_s = _up(model_dir, "--address", "127.0.0.1:1", "--redis-url", url)
@@ -107,6 +109,8 @@ def test_up_rejects_an_unreachable_redis_without_printing_its_password(model_dir
     assert PASSWORD not in err and "***" in err, err
 
 
+@pytest.mark.cluster  # runs `pdserve up`
+@pytest.mark.redis
 def test_up_rejects_a_wrong_redis_password(model_dir: Path) -> None:
     with EmbeddedRedis(password=PASSWORD) as server:
         wrong = server.url.replace(PASSWORD, "wrong-password")
@@ -197,6 +201,7 @@ def test_the_keys_file_gives_each_key_its_defaults(
         ClusterConfig(model=str(model_dir), api_keys=["a"], api_key_defaults={"b": {}})
 
 
+@pytest.mark.redis
 def test_the_embedded_redis_requires_its_password() -> None:
     with EmbeddedRedis(password=PASSWORD) as server:
         assert PASSWORD in server.url

@@ -77,6 +77,7 @@ def test_time_wait_connections_are_waited_for_then_reported(lingering_port: int)
     assert waited == [lingering_port]  # told once, not once per poll
 
 
+@pytest.mark.cluster  # runs `pdserve up`
 def test_up_refuses_a_router_port_in_use_before_starting_anything(
     listener: int, random_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -131,27 +130,21 @@ def traced_cluster(
         yield url
 
 
-def _wait_for_trace(collector: Receiver, trace_id: str) -> list[ReceivedSpan]:
-    """The trace's spans once every service's have come (the router's server span last)."""
-    deadline = time.monotonic() + SPANS_TIMEOUT_S
-    while True:
-        spans = collector.trace(trace_id)
-        names = {s.name for s in spans}
-        done = {s.service for s in spans} >= SERVICES and {
-            "POST /v1/completions",
-            "pdserve.prefill",
-            "pdserve.decode",
-        } <= names
-        if done:
-            return spans
-        if time.monotonic() > deadline:
-            got = sorted((s.service, s.name) for s in spans)
-            raise AssertionError(f"trace {trace_id} incomplete after {SPANS_TIMEOUT_S}s: {got}")
-        time.sleep(0.1)  # the poll period of an external condition
+def _trace_once_complete(collector: Receiver, trace_id: str) -> Any:
+    """A `poll` check: the trace's spans once every service's have come (the router's
+    server span last), else None."""
+    spans = collector.trace(trace_id)
+    names = {s.name for s in spans}
+    done = {s.service for s in spans} >= SERVICES and {
+        "POST /v1/completions",
+        "pdserve.prefill",
+        "pdserve.decode",
+    } <= names
+    return spans if done else None
 
 
 def test_one_request_is_one_trace_across_router_prefill_decode(
-    traced_cluster: str, receiver: tuple[Receiver, int], api: Any
+    traced_cluster: str, receiver: tuple[Receiver, int], api: Any, poll: Any
 ) -> None:
     url = traced_cluster
     collector, _ = receiver
@@ -173,7 +166,11 @@ def test_one_request_is_one_trace_across_router_prefill_decode(
     tokens = [t for chunk in stream for t in chunk.choices[0].model_extra["token_ids"]]
     assert len(tokens) == MAX_TOKENS
 
-    spans = _wait_for_trace(collector, client_trace)
+    spans = poll(
+        f"trace {client_trace} complete",
+        lambda: _trace_once_complete(collector, client_trace),
+        SPANS_TIMEOUT_S,
+    )
     by_id = {s.span_id: s for s in spans}
     by_name: dict[str, list[ReceivedSpan]] = {}
     for s in spans:

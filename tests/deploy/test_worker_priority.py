@@ -12,7 +12,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pdserve.deploy.serve_env import SERVE_ENV, apply_serve_env
+
+pytestmark = pytest.mark.cluster  # starts Ray (tests/conftest.py, 'test tiers')
 
 _SCRIPT = """
 import os, ray

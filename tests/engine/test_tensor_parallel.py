@@ -73,16 +73,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        left = [pid for pid in pids if alive(pid)]
-        if not left:
-            return []
-        time.sleep(0.1)  # the poll period of an external condition
-    return [pid for pid in pids if alive(pid)]
-
-
 def record_logits(engine: LLM) -> list[torch.Tensor]:
     """Every logits tensor the driver's sampler sees, in step order."""
     runner = engine.engine.runner
@@ -214,12 +204,17 @@ def test_bad_tensor_parallel_size_is_refused(make_checkpoint: Callable[..., Path
         LLM(model_dir, tensor_parallel_size=3, **BASE)
 
 
-def test_workers_stop_on_close(make_checkpoint: Callable[..., Path]) -> None:
+def gone(pids: list[int]) -> bool:
+    """A `poll` check: none of `pids` runs."""
+    return not any(alive(pid) for pid in pids)
+
+
+def test_workers_stop_on_close(make_checkpoint: Callable[..., Path], poll: Any) -> None:
     with llm(make_checkpoint(), tensor_parallel_size=2) as engine:
         pids = engine.engine.tp_workers.pids  # type: ignore[union-attr]
         assert len(pids) == 1 and all(alive(pid) for pid in pids)
         engine.generate([[5, 6, 7]], GREEDY)
-    assert wait_gone(pids, 1.0) == []
+    poll(f"workers {pids} stop with their engine", lambda: gone(pids), 1.0)
 
 
 # An engine left open at exit, or a driver killed outright: no worker survives it.
@@ -235,16 +230,19 @@ if sys.argv[2] == "kill":
 
 
 @pytest.mark.parametrize("how", ["exit", "kill"])
-def test_no_orphan_workers(make_checkpoint: Callable[..., Path], how: str) -> None:
+def test_no_orphan_workers(make_checkpoint: Callable[..., Path], how: str, poll: Any) -> None:
     argv = [sys.executable, "-c", textwrap.dedent(_SCRIPT), str(make_checkpoint()), how]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == (-signal.SIGKILL if how == "kill" else 0), proc.stderr[-2000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("PIDS"))
     pids = [int(p) for p in line.split()[1:]]
-    assert pids and wait_gone(pids) == [], f"workers {pids} outlived the driver ({how})"
+    assert pids
+    poll(f"workers {pids} gone with the driver ({how})", lambda: gone(pids), 15.0)
 
 
-def test_stalled_rank_times_out_instead_of_hanging(make_checkpoint: Callable[..., Path]) -> None:
+def test_stalled_rank_times_out_instead_of_hanging(
+    make_checkpoint: Callable[..., Path], poll: Any
+) -> None:
     timeout_s = 3.0
     with llm(make_checkpoint(), tensor_parallel_size=2, distributed_timeout_s=timeout_s) as engine:
         (pid,) = engine.engine.tp_workers.pids  # type: ignore[union-attr]
@@ -260,14 +258,14 @@ def test_stalled_rank_times_out_instead_of_hanging(make_checkpoint: Callable[...
                 os.kill(pid, signal.SIGCONT)
         with pytest.raises(TensorParallelError):  # the engine stays failed
             engine.generate([[8, 9, 10]], GREEDY)
-    assert wait_gone([pid]) == []
+    poll(f"the stalled rank {pid} is killed", lambda: gone([pid]), 15.0)
 
 
-def test_dead_rank_fails_the_driver(make_checkpoint: Callable[..., Path]) -> None:
+def test_dead_rank_fails_the_driver(make_checkpoint: Callable[..., Path], poll: Any) -> None:
     with llm(make_checkpoint(), tensor_parallel_size=2, distributed_timeout_s=5.0) as engine:
         (pid,) = engine.engine.tp_workers.pids  # type: ignore[union-attr]
         os.kill(pid, signal.SIGKILL)
-        assert wait_gone([pid]) == []
+        poll(f"the killed rank {pid} is gone", lambda: gone([pid]), 15.0)
         start = time.monotonic()
         with pytest.raises(TensorParallelError):
             engine.generate([[8, 9, 10]], GREEDY)

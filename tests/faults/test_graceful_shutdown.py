@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 
 from pdserve.deploy.redis_server import drain, free_port, wait_for_line
+
+pytestmark = pytest.mark.cluster  # tests/conftest.py, 'test tiers'
 
 MAX_TOKENS = 600
 START_TIMEOUT_S = 240.0

@@ -45,17 +45,8 @@ def cluster(make_checkpoint: Any, pdserve_up: Any) -> Iterator[tuple[str, Path]]
         yield url, model_dir
 
 
-def wait_for(what: str, done: Any, deadline_s: float = POLL_DEADLINE_S) -> float:
-    """Poll `done()` (an external condition) until true; the seconds it took."""
-    start = time.monotonic()
-    while not done():
-        assert time.monotonic() - start < deadline_s, f"{what}: not within {deadline_s}s"
-        time.sleep(0.1)  # the poll period of an external condition
-    return time.monotonic() - start
-
-
 def test_a_client_gone_before_its_kv_frees_the_decode_worker_at_once(
-    api: Any, cluster: tuple[str, Path]
+    api: Any, cluster: tuple[str, Path], poll: Any
 ) -> None:
     url, _ = cluster
     workers = api.get_json(f"{url}/workers")["workers"]
@@ -76,15 +67,19 @@ def test_a_client_gone_before_its_kv_frees_the_decode_worker_at_once(
             body = {"model": model, "prompt": prompt, "max_tokens": 4, "stream": stream}
             headers = {"Content-Type": "application/json"}
             conn.request("POST", "/v1/completions", json.dumps(body), headers)
-            wait_for(
+            poll(
                 "the decode worker expects the KV",
                 lambda: gauge("pdserve_worker_pending_transfers") == 1,
+                POLL_DEADLINE_S,
             )
             conn.close()  # the client goes away before its KV arrived
-            took = wait_for(
+            start = time.monotonic()
+            poll(
                 "the decode worker stops waiting",
                 lambda: gauge("pdserve_worker_pending_transfers") == 0,
+                POLL_DEADLINE_S,
             )
+            took = time.monotonic() - start
             assert took < KV_WAIT_S / 3, f"decode waited {took:.1f}s for cancelled KV ({stream=})"
             assert (gauge("pdserve_worker_running"), gauge("pdserve_worker_waiting")) == (0, 0)
     finally:
@@ -100,7 +95,7 @@ def test_a_client_gone_before_its_kv_frees_the_decode_worker_at_once(
             for w in states
         )
 
-    wait_for("every worker idle after the prefill workers resume", idle, deadline_s=60.0)
+    poll("every worker idle after the prefill workers resume", idle, 60.0)
     assert api.local_prefills(url) == {}, "the cancelled request was never prefilled on decode"
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -89,16 +88,8 @@ def placed(url: str, worker_id: str) -> float:
     return sample(scrape_metrics(url), "pdserve_placements_total", role="decode", worker=worker_id)
 
 
-def wait_until(what: str, ok: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g} s: {what}")
-        time.sleep(0.25)  # polls the cluster's state, bounded by the deadline
-
-
 def test_faults_only_several_hosts_have(
-    make_topology: Any, model_dir: Path, hf_greedy: Any, tmp_path: Path, api: Any
+    make_topology: Any, model_dir: Path, hf_greedy: Any, tmp_path: Path, api: Any, poll: Any
 ) -> None:
     import openai
 
@@ -144,7 +135,7 @@ def test_faults_only_several_hosts_have(
 
         thread = threading.Thread(target=long_request)
         thread.start()
-        wait_until(
+        poll(
             "the KV push is on the wire",
             lambda: prefill_node.rx_tx_bytes()[1] - sent_before > 300_000,
             60,
@@ -177,7 +168,7 @@ def test_faults_only_several_hosts_have(
             ids = [w["worker_id"] for w in workers(url, "prefill")]
             return len(ids) == 1 and ids[0] != old_prefill["worker_id"]
 
-        wait_until("a new prefill worker registers", replaced, 180)
+        poll("a new prefill worker registers", replaced, 180)
         blocks = api.metric(url, "pdserve_kv_transfer_blocks_total")
         local_before = sum(api.local_prefills(url).values())
         assert complete(short[0]) == want_short[0]
@@ -213,8 +204,8 @@ def test_faults_only_several_hosts_have(
             mine = [w for w in workers(url, "decode") if w["worker_id"] == victim["worker_id"]]
             return bool(mine) and mine[0]["generation"] > victim["generation"]
 
-        wait_until("the decode worker registers with a new generation", registered_anew, 30)
-        wait_until("it is live again", lambda: live(url, "decode") == 2, 30)
+        poll("the decode worker registers with a new generation", registered_anew, 30)
+        poll("it is live again", lambda: live(url, "decode") == 2, 30)
         assert complete(again) == want_again  # its cached prefix draws it
         assert placed(url, victim["worker_id"]) == before + 1
 
@@ -256,7 +247,7 @@ def test_faults_only_several_hosts_have(
                 return "registered anew"
             return None
 
-        wait_until("the cut worker is gone or registered anew", settled, 30)
+        poll("the cut worker is gone or registered anew", settled, 30)
         print(f"cut decode worker after the link came back: {settled()}")
 
         for w in workers(url):

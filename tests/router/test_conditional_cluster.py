@@ -25,7 +25,6 @@ import json
 import os
 import random
 import signal
-import time
 import urllib.parse
 from collections import Counter
 from pathlib import Path
@@ -62,14 +61,6 @@ def decisions(url: str) -> Counter[tuple[str, str]]:
     )
 
 
-def wait_for(what: str, done: Any) -> None:
-    """Poll `done()` (the router's counters) until true, at most POLL_DEADLINE_S."""
-    deadline = time.monotonic() + POLL_DEADLINE_S
-    while not done():
-        assert time.monotonic() < deadline, f"{what}: not within {POLL_DEADLINE_S}s"
-        time.sleep(0.1)  # the poll period of an external condition
-
-
 def body(model: str, prompt: list[int]) -> dict[str, Any]:
     return {
         "model": model,
@@ -99,7 +90,7 @@ def answer(conn: http.client.HTTPConnection) -> list[int]:
 
 
 def test_conditional_decisions_the_split_and_shedding(
-    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any, poll: Any
 ) -> None:
     model_dir = Path(make_checkpoint())
     rng = random.Random(61)
@@ -142,13 +133,21 @@ def test_conditional_decisions_the_split_and_shedding(
                 api.metric(url, gauge, worker=w["worker_id"], role=w["role"]) for w in workers
             )
 
-        wait_for("the heartbeats show empty queues", queues_empty)
+        poll("the heartbeats show empty queues", queues_empty, POLL_DEADLINE_S)
         os.kill(decode["pid"], signal.SIGSTOP)
         try:
             first = send(url, model, longs[1])  # P is idle: remote, and it waits for D
-            wait_for("the first decision", lambda: new_decisions()["remote", "prefill_idle"] == 2)
+            poll(
+                "the first decision",
+                lambda: new_decisions()["remote", "prefill_idle"] == 2,
+                POLL_DEADLINE_S,
+            )
             second = send(url, model, longs[2])  # P has the first's tokens queued, D none
-            wait_for("the second decision", lambda: new_decisions()["local", "faster"] == 1)
+            poll(
+                "the second decision",
+                lambda: new_decisions()["local", "faster"] == 1,
+                POLL_DEADLINE_S,
+            )
             with pytest.raises(openai.RateLimitError) as shed:
                 api.greedy(client, model, longs[3], MAX_TOKENS)
         finally:
