@@ -26,7 +26,13 @@ from typing import Any
 import openai
 import pytest
 
-from tests.router.test_conditional_cluster import LONG, MAX_TOKENS, answer, send, wait_for
+from tests.router.test_conditional_cluster import (
+    LONG,
+    MAX_TOKENS,
+    POLL_DEADLINE_S,
+    answer,
+    send,
+)
 
 FLAGS = (
     *("--mode", "colocated", "--decode-replicas", "1", "--replica-cpus", "0"),
@@ -39,7 +45,7 @@ PLACED = "pdserve_ttft_breakdown_seconds_count"  # observed once a first attempt
 
 
 def test_a_colocated_cluster_sheds_past_its_prefill_queue_bound(
-    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any, poll: Any
 ) -> None:
     model_dir = Path(make_checkpoint())
     rng = random.Random(67)
@@ -66,12 +72,12 @@ def test_a_colocated_cluster_sheds_past_its_prefill_queue_bound(
         def queue_empty() -> bool:  # as the index says: a heartbeat may still show a prompt
             return not api.metric(url, gauge, worker=decode["worker_id"], role="decode")
 
-        wait_for("the heartbeat shows an empty queue", queue_empty)
+        poll("the heartbeat shows an empty queue", queue_empty, POLL_DEADLINE_S)
         before = placed()
         os.kill(decode["pid"], signal.SIGSTOP)
         try:
             first = send(url, model, longs[1])  # nothing queued: admitted, waits for D
-            wait_for("the first placement", lambda: placed() == before + 1)
+            poll("the first placement", lambda: placed() == before + 1, POLL_DEADLINE_S)
             with pytest.raises(openai.RateLimitError) as refused:
                 api.greedy(client, model, longs[2], MAX_TOKENS)
         finally:
@@ -84,6 +90,6 @@ def test_a_colocated_cluster_sheds_past_its_prefill_queue_bound(
         assert api.metric(url, "pdserve_requests_total", endpoint="completions", status="429") == 1
 
         # The queue drained: admitted again.
-        wait_for("the heartbeat shows an empty queue again", queue_empty)
+        poll("the heartbeat shows an empty queue again", queue_empty, POLL_DEADLINE_S)
         assert api.greedy(client, model, longs[3], MAX_TOKENS) == want[2]
         assert shed() == 1
