@@ -19,8 +19,8 @@ import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -32,217 +32,65 @@ from pydantic import (
 )
 
 from pdserve.cluster.model_routes import ModelRoute, route_problems
+from pdserve.cluster.settings import (  # re-exported: the configuration's own names
+    KVTLS,
+    MODEL_APP_PREFIX,
+    ROLES,
+    SECRET_FIELDS,
+    APIKeyDefaults,
+    ConfigError,
+    DisaggPolicy,
+    Mode,
+    ModelSpec,
+    Placement,
+    PlacementWeights,
+    PoolAutoscaling,
+    ToolCallParserName,
+    Transport,
+    app_slug,
+    expand_env,
+    model_app_name,
+    parse_cpu_set,
+    redact_url,
+)
 from pdserve.engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     AttentionBackendName,
+    DType,
     EngineConfig,
     KVCacheDtype,
     LoadFormat,
     Quantization,
+    engine_field,
 )
 from pdserve.engine.errors import EngineError
 from pdserve.engine.model_config import ModelConfig, load_model_config, tensor_parallel_problems
 from pdserve.engine.speculative import SpeculativeConfig, check_draft_checkpoint
 from pdserve.kv_transfer.tls import TLSConfig
 
-Mode = Literal["disagg", "colocated"]
-Transport = Literal["grpc", "ucx"]
-Placement = Literal["prefix-aware", "round-robin", "random"]
-DisaggPolicy = Literal["conditional", "always"]
-ToolCallParserName = Literal["auto", "hermes", "json", "none"]
-ROLES = ("prefill", "decode")
+
+def _setting(data: dict[str, Any], name: str) -> Any:
+    """`name`'s value in a configuration being validated: given, else as declared (a
+    derived default reads the declared ones, never restates them)."""
+    if name in data:
+        return data[name]
+    field = ClusterConfig.model_fields[name]
+    return field.get_default(call_default_factory=True, validated_data=data)
 
 
-def parse_cpu_set(text: str) -> set[int]:
-    """ "0-2,5" -> {0, 1, 2, 5}; raises ValueError for anything else."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        first, sep, last = part.strip().partition("-")
-        lo, hi = int(first), int(last) if sep else int(first)
-        if lo < 0 or hi < lo:
-            raise ValueError(f"bad CPU range {part!r} in {text!r}")
-        cpus.update(range(lo, hi + 1))
-    return cpus
-
-
-class ConfigError(ValueError):
-    """A configuration a cluster cannot start with; the message starts with the field."""
-
-    def __init__(self, field: str, why: str) -> None:
-        super().__init__(f"{field}: {why}")
-        self.field = field
-
-
-def redact_url(url: str) -> str:
-    """`url` with its password (if any) replaced by `***`: safe to print or log."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:  # IPv6
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-# Fields that may name environment variables (`${NAME}`) in a Serve config, so that a
-# secret comes from a Kubernetes Secret instead of the RayService spec.
-SECRET_FIELDS = ("redis_url", "cluster_token")
-
-
-def expand_env(field: str, text: str) -> str:
-    """Replace each `${NAME}` in `text` by the environment variable NAME (which must be set)."""
-
-    def value(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in os.environ:
-            raise ConfigError(field, f"names the environment variable {name}, which is not set")
-        return os.environ[name]
-
-    return _ENV_REF.sub(value, text)
-
-
-class KVTLS(BaseModel):
-    """TLS for KV pushes (gRPC only). The PEM files must exist at these paths on every
-    node: decode replicas present cert/key, prefill replicas trust `ca_file` and, with
-    `mutual`, present cert/key too, which the decode side then requires."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    cert_file: str
-    key_file: str
-    ca_file: str
-    mutual: bool = False
-    # The name the decode replicas' certificate holds, when it is not the address they
-    # announce (with transfer_host "auto" each pod announces its own IP).
-    server_name: str | None = None
-
-    def transport(self) -> TLSConfig:
-        return TLSConfig(
-            cert_file=self.cert_file,
-            key_file=self.key_file,
-            ca_file=self.ca_file,
-            require_client_auth=self.mutual,
-            server_name=self.server_name,
-        )
-
-
-class PlacementWeights(BaseModel):
-    """How the prefix-aware placement trades cached prefix against load (docs/architecture.md).
-
-    Prefill cost, in tokens: tokens left to prefill on the worker + its queued prefill
-    tokens. Decode cost: `running` x (running + in-flight sequences) + `kv_usage` x
-    (percent of KV blocks in use) - `hit` x (prompt blocks it already holds).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    running: float = Field(default=1.0, ge=0)
-    kv_usage: float = Field(default=0.2, ge=0)
-    hit: float = Field(default=0.5, ge=0)
-
-
-class PoolAutoscaling(BaseModel):
-    """Ray Serve autoscaling of one pool (`deploy/autoscaling.py` holds the policies).
-
-    `target` is queued prefill tokens per replica for the prefill pool, and running
-    sequences per replica for the decode pool (which also keeps KV usage under
-    `target_kv_usage`). Delays and bounds are Serve's own settings.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    min_replicas: int = Field(default=1, ge=1)
-    max_replicas: int = Field(default=4, ge=1)
-    target: float = Field(default=2048.0, gt=0)
-    target_kv_usage: float = Field(default=0.7, gt=0, le=1)
-    upscale_delay_s: float = Field(default=10.0, ge=0)
-    downscale_delay_s: float = Field(default=60.0, ge=0)
-    look_back_period_s: float = Field(default=10.0, gt=0)
-    metrics_interval_s: float = Field(default=2.0, gt=0)
-
-    @model_validator(mode="after")
-    def _check(self) -> PoolAutoscaling:
-        if self.max_replicas < self.min_replicas:
-            raise ValueError("max_replicas must be >= min_replicas")
-        return self
-
-
-class APIKeyDefaults(BaseModel):
-    """What a request made with one API key gets unless it says otherwise.
-
-    `priority`: the request's scheduling and shedding priority when it sends none
-    (larger is more important). `cache_salt`: the tenant's prefix-cache namespace when the
-    request sends none: keys with different salts never share a KV block.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    priority: int = Field(default=0, ge=-1000, le=1000)
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-
-
-class ModelSpec(BaseModel):
-    """One model of a cluster that serves several (`ClusterConfig.models`).
-
-    Each field set here replaces the cluster-wide one for this model's pools; a field left
-    out (None) keeps the cluster's value. Everything else (Redis, transport, leases, the
-    router's limits, API keys) is the cluster's, shared by every model.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="HF model folder, readable on every node")
-    served_model_name: str | None = None
-    tool_call_parser: ToolCallParserName | None = None
-    mode: Mode | None = None
-    prefill_replicas: int | None = Field(default=None, ge=0)
-    decode_replicas: int | None = Field(default=None, ge=1)
-    prefill_tp: int | None = Field(default=None, ge=1)
-    decode_tp: int | None = Field(default=None, ge=1)
-    prefill_autoscaling: PoolAutoscaling | None = None
-    decode_autoscaling: PoolAutoscaling | None = None
-    prefill_cpus: str | None = None
-    decode_cpus: str | None = None
-    prefill_resources: dict[str, float] | None = None
-    decode_resources: dict[str, float] | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    load_format: LoadFormat | None = None
-    quantization: Quantization | None = None
-    kv_cache_dtype: KVCacheDtype | None = None
-    speculative: str | None = None
-    block_size: int | None = Field(default=None, ge=1, le=1024)
-    max_model_len: int | None = Field(default=None, ge=2)
-    num_kv_blocks: int | None = Field(default=None, ge=1)
-    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
-
-
-def app_slug(model_id: str) -> str:
-    """The part of a model's Serve application name (`pdserve-model-<slug>`) its id gives:
-    letters, digits, `_` and `-`, anything else as `-`."""
-    return re.sub(r"[^A-Za-z0-9_-]+", "-", model_id).strip("-") or "model"
-
-
-MODEL_APP_PREFIX = "pdserve-model-"
-
-
-def model_app_name(model_id: str) -> str:
-    """The Serve application that runs a model's pools when a cluster serves several."""
-    return MODEL_APP_PREFIX + app_slug(model_id)
+# What a derived wait never goes below.
+MIN_KV_WAIT_S = 10.0
+MIN_FIRST_TOKEN_S = 120.0
 
 
 def _default_kv_wait_timeout_s(data: dict[str, Any]) -> float:
     """The KV wait of a request whose queue is at the shedding bound (ClusterConfig)."""
-    at_bound = data.get("kv_wait_factor", 2.0) * data.get("max_prefill_queue_s", 4.0)
-    return max(10.0, at_bound + data.get("kv_wait_floor_s", 2.0))
+    bound = _setting(data, "kv_wait_factor") * _setting(data, "max_prefill_queue_s")
+    return max(MIN_KV_WAIT_S, bound + _setting(data, "kv_wait_floor_s"))
 
 
 def _default_first_token_timeout_s(data: dict[str, Any]) -> float:
-    return max(120.0, 2.0 * data.get("kv_wait_timeout_s", 10.0))
+    return max(MIN_FIRST_TOKEN_S, 2.0 * _setting(data, "kv_wait_timeout_s"))
 
 
 class ClusterConfig(BaseModel):
@@ -255,7 +103,13 @@ class ClusterConfig(BaseModel):
     )
     # Several models behind one router (docs/architecture.md, "Several models"): each
     # entry overrides the per-model fields above and below; `model` is then unset.
-    models: list[ModelSpec] = Field(default_factory=list)
+    models: list[ModelSpec] = Field(
+        default_factory=list,
+        description=(
+            "several models behind one router: each entry a model's folder and its own"
+            " fields (docs/architecture.md, 'Several models')"
+        ),
+    )
     served_model_name: str | None = Field(
         default=None, description="the model id clients send (default: the folder name)"
     )
@@ -263,15 +117,45 @@ class ClusterConfig(BaseModel):
     # "hermes" (JSON in <tool_call> tags: Qwen 2.5, Hermes), "json" (a JSON object:
     # Llama 3.x), "none" (auto is a 400; required and named functions still work), or
     # "auto": from the chat template (<tool_call> -> hermes, <|python_tag|> -> json).
-    tool_call_parser: ToolCallParserName = "auto"
+    tool_call_parser: ToolCallParserName = Field(
+        default="auto",
+        description=(
+            "the format tool_choice=auto parses calls from: hermes (<tool_call> tags),"
+            " json (a JSON object), none (auto is a 400), or auto (from the chat template)"
+        ),
+    )
     # Routed model names (cluster/model_routes.py): a name clients send, mapped by the
     # operator's rules (prompt length, max_tokens, header, metadata tag, canary share) to
     # one of the served models.
-    routes: list[ModelRoute] = Field(default_factory=list)
-    mode: Mode = "disagg"
-    transport: Transport = "grpc"
-    placement: Placement = "prefix-aware"
-    weights: PlacementWeights = Field(default_factory=PlacementWeights)
+    routes: list[ModelRoute] = Field(
+        default_factory=list,
+        description=(
+            "routed model names: a name clients send, mapped by the operator's rules to"
+            " one of the served models (cluster/model_routes.py)"
+        ),
+    )
+    mode: Mode = Field(
+        default="disagg",
+        description=(
+            "disagg: prompts prefilled by the prefill pool, their KV shipped to the"
+            " decode pool; colocated: decode workers prefill locally (the baseline)"
+        ),
+    )
+    transport: Transport = Field(
+        default="grpc",
+        description=("the KV block transport between the pools"),
+    )
+    placement: Placement = Field(
+        default="prefix-aware",
+        description=(
+            "how a request's workers are chosen: by where its prefix is cached and by"
+            " load, or round-robin or random (for comparisons)"
+        ),
+    )
+    weights: PlacementWeights = Field(
+        default_factory=PlacementWeights,
+        description=("placement's cost weights (router/placement.py), as JSON"),
+    )
     # Where a prompt is prefilled in disagg mode (router/disagg.py, docs/architecture.md
     # "Conditional disaggregation and admission"): "always" on a prefill worker;
     # "conditional" on the chosen decode worker instead when its uncached part is at most
@@ -282,10 +166,35 @@ class ClusterConfig(BaseModel):
     # worker prefills a long prompt by choice only while it streams nothing, so no
     # stream's TPOT pays for another's TTFT (short prompts and a saturated prefill pool
     # aside).
-    disagg_policy: DisaggPolicy = "conditional"
-    local_prefill_max_tokens: int = Field(default=32, ge=0)
-    local_prefill_max_running: int = Field(default=0, ge=0)
-    local_prefill_interference: float = Field(default=0.05, ge=0)
+    disagg_policy: DisaggPolicy = Field(
+        default="conditional",
+        description=(
+            "disagg mode: conditional lets the chosen decode worker prefill when that is"
+            " sooner (a short prompt, a saturated prefill pool); always: every prompt"
+            " through the split"
+        ),
+    )
+    local_prefill_max_tokens: int = Field(
+        default=32,
+        ge=0,
+        description=("conditional: uncached prompt tokens up to which the decode worker prefills"),
+    )
+    local_prefill_max_running: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "conditional: a decode worker running more sequences than this never prefills"
+            " a long prompt because it would be sooner (0: only an idle one, whose streams"
+            " it would not stall)"
+        ),
+    )
+    local_prefill_interference: float = Field(
+        default=0.05,
+        ge=0,
+        description=(
+            "conditional: weight of a local prefill's time per sequence the decode worker runs"
+        ),
+    )
     # Admission: past this many seconds of queued prefill work on every option, a
     # request gets 429 with Retry-After. The decode worker waits for a request's KV
     # kv_wait_factor x the estimated prefill time + kv_wait_floor_s, at most
@@ -293,18 +202,55 @@ class ClusterConfig(BaseModel):
     # 2 s = 10 s with the defaults; raising the bound raises it): KV admitted at the bound
     # is not expected late. The floor absorbs call latencies and scheduling jitter that no
     # estimate of compute sees.
-    max_prefill_queue_s: float = Field(default=4.0, gt=0)
+    max_prefill_queue_s: float = Field(
+        default=4.0,
+        gt=0,
+        description=(
+            "past this many seconds of queued prefill work on every worker that could"
+            " prefill a prompt, the request gets 429 with Retry-After"
+        ),
+    )
     # Conditional disaggregation spills a prompt to its decode worker once the prefill
     # worker's queue is past this (reason prefill_saturated), at most max_prefill_queue_s:
     # raising the shedding bound to queue more does not leave the decode workers idle
     # while the prefill pool's queue grows.
-    prefill_spill_queue_s: float = Field(default=4.0, gt=0)
-    kv_wait_factor: float = Field(default=2.0, ge=1)
-    kv_wait_floor_s: float = Field(default=2.0, ge=0)
+    prefill_spill_queue_s: float = Field(
+        default=4.0,
+        gt=0,
+        description=(
+            "conditional: past this many seconds of queued work on the prefill worker,"
+            " the decode worker prefills instead (at most max_prefill_queue_s)"
+        ),
+    )
+    kv_wait_factor: float = Field(
+        default=2.0,
+        ge=1,
+        description=(
+            "a decode worker waits for a request's KV this many times the estimated"
+            " prefill time, plus kv_wait_floor_s"
+        ),
+    )
+    kv_wait_floor_s: float = Field(
+        default=2.0,
+        ge=0,
+        description=("what a KV wait adds to its estimate (see kv_wait_factor)"),
+    )
 
-    prefill_replicas: int = Field(default=1, ge=0)
-    decode_replicas: int = Field(default=1, ge=1)
-    router_replicas: int = Field(default=1, ge=1)
+    prefill_replicas: int = Field(
+        default=1,
+        ge=0,
+        description=("prefill worker replicas (disagg mode)"),
+    )
+    decode_replicas: int = Field(
+        default=1,
+        ge=1,
+        description=("decode worker replicas"),
+    )
+    router_replicas: int = Field(
+        default=1,
+        ge=1,
+        description=("router replicas (with direct ingress: one HTTP port each, from --port up)"),
+    )
     # Tensor parallelism per pool (docs/configuration.md, "Tensor parallelism per pool"):
     # each replica of the pool is that many ranks, one placement-group bundle each, all
     # on one node; KV moves rank to rank, re-sliced, so any two valid sizes work together.
@@ -322,123 +268,261 @@ class ClusterConfig(BaseModel):
     )
     # Set a pool's autoscaling to size it by its own signal between min and max replicas
     # (its *_replicas field is then the initial count).
-    prefill_autoscaling: PoolAutoscaling | None = None
-    decode_autoscaling: PoolAutoscaling | None = None
-    replica_num_cpus: float = Field(default=1.0, ge=0)
+    prefill_autoscaling: PoolAutoscaling | None = Field(
+        default=None,
+        description=(
+            "autoscale the prefill pool on queued prefill tokens: JSON of"
+            ' PoolAutoscaling, e.g. \'{"min_replicas": 1, "max_replicas": 4}\''
+        ),
+    )
+    decode_autoscaling: PoolAutoscaling | None = Field(
+        default=None,
+        description=(
+            "autoscale the decode pool on running sequences and KV use: JSON of PoolAutoscaling"
+        ),
+    )
+    replica_num_cpus: float = Field(
+        default=1.0,
+        ge=0,
+        description=("Ray CPUs per worker replica (per rank with TP)"),
+    )
     # Linux CPU sets ("0", "0-3", "0,2") a pool's replicas are pinned to, so that on a
     # shared host prefill and decode never steal each other's cores (benchmarks).
-    prefill_cpus: str | None = None
-    decode_cpus: str | None = None
-    replica_num_gpus: float = Field(default=0.0, ge=0)
+    prefill_cpus: str | None = Field(
+        default=None,
+        description=("pin prefill replicas to these CPUs, e.g. '0-3,8'"),
+    )
+    decode_cpus: str | None = Field(
+        default=None,
+        description=("pin decode replicas to these CPUs"),
+    )
+    replica_num_gpus: float = Field(
+        default=0.0,
+        ge=0,
+        description=("Ray GPUs per worker replica; a fraction shares one GPU (0.5: two replicas)"),
+    )
     # Node pools: Ray custom resources each replica of a pool asks for, so that its
     # replicas land only on nodes started with them (`ray start --resources
     # '{"prefill_pool": 8}'`): prefill on compute-sized nodes, decode on bandwidth-sized
     # ones, routers next to the load balancer. Empty: any node.
-    prefill_resources: dict[str, float] = Field(default_factory=dict)
-    decode_resources: dict[str, float] = Field(default_factory=dict)
-    router_resources: dict[str, float] = Field(default_factory=dict)
+    prefill_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Ray custom resources each prefill replica needs, as JSON, e.g."
+            " '{\"prefill_pool\": 1}': its replicas go only to nodes that have them"
+        ),
+    )
+    decode_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description=("Ray custom resources each decode replica needs, as JSON"),
+    )
+    router_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description=("Ray custom resources each router replica needs, as JSON"),
+    )
 
     # redis://[:PASSWORD@]HOST:PORT/DB (a password is never printed; see redact_url).
-    redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        repr=False,
+        description=(
+            "the cluster's Redis, redis://[:PASSWORD@]HOST:PORT/DB (a password is never"
+            " printed); pdserve up embeds one on loopback when not given"
+        ),
+    )
     # Address the KV receivers bind and announce: "auto" is each decode node's own
     # address as Ray knows it (multi-node clusters); never all interfaces by default.
-    transfer_host: str = "127.0.0.1"
-    cluster_token: str = Field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    transfer_host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "the address KV receivers bind and announce; auto: each decode node's own"
+            " address as Ray knows it"
+        ),
+    )
+    cluster_token: str = Field(
+        default_factory=lambda: secrets.token_hex(16),
+        repr=False,
+        description=("the secret every KV push carries (generated when not given)"),
+    )
     # TLS on the KV pushes (gRPC transport); None: plaintext, for one trusted host or a
     # private network (the cluster token still authenticates each push).
-    kv_tls: KVTLS | None = None
+    kv_tls: KVTLS | None = Field(
+        default=None,
+        description=(
+            "TLS on the KV pushes (gRPC only); None: plaintext, the cluster token still"
+            " authenticating each push"
+        ),
+    )
 
-    # Engine (both roles).
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "cpu"
-    # "dummy": random weights of config.json's shape, no weight file read (benchmarks).
-    load_format: LoadFormat = "auto"
-    # "int8": the blocks' projections as int8 with a scale per row, in both roles
-    # (EngineConfig.quantization); the embedding, LM head and norms stay in dtype.
-    quantization: Quantization = "none"
-    # Both pools' KV cache format (EngineConfig.kv_cache_dtype): "auto" (the model's dtype),
-    # "int8" or "fp8" (8 bits per value and a bf16 scale per token and KV head: half the
-    # bytes per decode step and per handoff). One setting for the cluster: blocks cross only
-    # between workers of one format, and the prefix index refuses a worker of another.
-    kv_cache_dtype: KVCacheDtype = "auto"
-    # Both pools' attention backend (EngineConfig.attention_backend). "triton" on CPU runs
-    # every Triton kernel of the engine (the KV pack/unpack of each handoff included) in
-    # Triton's interpreter: only with TRITON_INTERPRET=1 in the replicas' environment.
-    attention_backend: AttentionBackendName = "auto"
-    # The decode pool speculates (EngineConfig.speculative, engine/speculative.py):
-    # "ngram:k=K[,n=N][,adaptive=on|off]", prompt lookup, or "draft:PATH[,k=K][,...]",
-    # a draft model's folder (as `model`, a path on the workers; preflight checks it
-    # here). The prefill pool samples one token per request, so it has nothing to
-    # speculate; in colocated mode the one pool (the decode deployment) does.
-    speculative: str | None = None
-    num_threads: int = Field(default=1, ge=1, description="torch threads per replica")
-    block_size: int = Field(default=16, ge=1, le=1024)
-    max_model_len: int | None = Field(default=None, ge=2)
-    num_kv_blocks: int | None = Field(default=None, ge=1)
-    # CUDA, without num_kv_blocks: the fraction of its GPU's memory each worker replica
-    # may use, the KV pool taking what the model leaves (EngineConfig). None: 0.9, times
-    # replica_num_gpus when that is a fraction (replicas sharing a GPU split it).
-    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
-    max_num_seqs: int = Field(default=256, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    # CUDA only: every step eagerly, no decode CUDA graphs (EngineConfig.enforce_eager).
-    enforce_eager: bool = False
-    # CUDA only: pinned host memory (MiB) prefill workers stage exported KV in before
-    # sending (EngineConfig.kv_staging_mb); a larger payload gets a one-off allocation.
-    kv_staging_mb: int = Field(default=256, ge=0)
-    # A step that has decode rows takes only the prefill tokens that keep its measured
-    # cost within this (EngineConfig.tpot_target_ms). 100 ms: a GPU step stays far below
-    # it, so it binds only where a prompt really would stall the streams (CPU).
-    tpot_target_ms: float | None = Field(default=100.0, gt=0)
-    # ...until a request has waited this long to be admitted: then steps take the whole
-    # token budget until none has (EngineConfig.prefill_wait_limit_ms). Without it,
-    # prompts arriving faster than capped steps prefill them queue without bound.
-    prefill_wait_limit_ms: float | None = Field(default=500.0, gt=0)
-    # While a decode worker streams more than this many requests, each stream's tokens
-    # after the first go out two per message: one waits (at most one step) for the next.
-    # Messages are what the router, the proxy and Serve's streams pay for; TPOT does not
-    # change, an inter-token gap can grow by one step. None: one message per step.
-    stream_hold_above: int | None = Field(default=16, ge=0)
-    seed: int = 0
+    # Engine settings (both roles): EngineConfig's declarations (engine_field), each
+    # stated there once; a cluster's own default overrides where it differs.
+    dtype: DType = engine_field("dtype")
+    device: str = engine_field("device")
+    load_format: LoadFormat = engine_field("load_format")
+    quantization: Quantization = engine_field("quantization")
+    # One KV format for the cluster: blocks cross only between workers of one format, and
+    # the prefix index refuses a worker of another.
+    kv_cache_dtype: KVCacheDtype = engine_field("kv_cache_dtype")
+    attention_backend: AttentionBackendName = engine_field("attention_backend")
+    # The decode pool speculates: the prefill pool samples one token per request, so it
+    # has nothing to speculate; in colocated mode the one pool (the decode deployment)
+    # does. A draft's folder is a path on the workers (preflight checks it here).
+    speculative: str | None = engine_field("speculative")
+    num_threads: int = engine_field("num_threads", description="torch threads per replica")
+    block_size: int = engine_field("block_size")
+    max_model_len: int | None = engine_field("max_model_len")
+    num_kv_blocks: int | None = engine_field("num_kv_blocks")
+    gpu_memory_utilization: float | None = engine_field(
+        "gpu_memory_utilization",
+        description="CUDA, without num_kv_blocks: the fraction of its GPU's memory each"
+        " worker replica may use, the KV pool taking what the model leaves. None: 0.9,"
+        " times replica_num_gpus when that is a fraction (replicas sharing a GPU split it)",
+    )
+    max_num_seqs: int = engine_field("max_num_seqs")
+    max_num_batched_tokens: int = engine_field("max_num_batched_tokens")
+    enforce_eager: bool = engine_field("enforce_eager")
+    kv_staging_mb: int = engine_field("kv_staging_mb")
+    # 100 ms: a GPU step stays far below it, so it binds only where a prompt really would
+    # stall the streams (CPU).
+    tpot_target_ms: float | None = engine_field("tpot_target_ms", default=100.0)
+    # Without it, prompts arriving faster than capped steps prefill them queue without
+    # bound.
+    prefill_wait_limit_ms: float | None = engine_field("prefill_wait_limit_ms", default=500.0)
+    stream_hold_above: int | None = Field(
+        default=16,
+        ge=0,
+        description="above this many streams on a decode worker, a stream's tokens after"
+        " the first go out two per message (one waits at most one step); None (off): one"
+        " message per step",
+    )
+    seed: int = engine_field("seed")
 
     # Router limits. api_keys: if any, every /v1 and /workers call needs
     # "Authorization: Bearer KEY" (401 otherwise). Past max_inflight_requests streams
     # per router replica, new requests get 429 with Retry-After.
-    api_keys: list[str] = Field(default_factory=list, repr=False)
+    api_keys: list[str] = Field(
+        default_factory=list,
+        repr=False,
+        description=(
+            "if any, every /v1 route and /workers need 'Authorization: Bearer KEY' (else 401)"
+        ),
+    )
     # Per-key defaults (priority, cache_salt), keyed by the API key itself (each must be
     # one of api_keys); from `KEY priority=N cache_salt=S` lines of --api-keys-file.
-    api_key_defaults: dict[str, APIKeyDefaults] = Field(default_factory=dict, repr=False)
-    max_inflight_requests: int = Field(default=1024, ge=1)
-    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    api_key_defaults: dict[str, APIKeyDefaults] = Field(
+        default_factory=dict,
+        repr=False,
+        description=("per API key: its default priority and cache_salt"),
+    )
+    max_inflight_requests: int = Field(
+        default=1024,
+        ge=1,
+        description=("requests admitted at once per router replica; past it, 429 with Retry-After"),
+    )
+    max_body_bytes: int = Field(
+        default=4 << 20,
+        ge=1024,
+        description=("larger request bodies get 413"),
+    )
     # The result cache (router/result_cache.py): fully determined requests' outputs
     # (greedy or seeded) kept in the cluster's Redis for this long; None: off. At most
     # result_cache_max_entries entries (the oldest go first), each at most
     # result_cache_max_entry_bytes (a larger result is not stored).
-    result_cache_ttl_s: float | None = Field(default=None, gt=0)
-    result_cache_max_entries: int = Field(default=10_000, ge=1)
-    result_cache_max_entry_bytes: int = Field(default=1 << 20, ge=1024)
+    result_cache_ttl_s: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "keep fully determined requests' results (greedy, or seeded) in Redis this"
+            " long and answer repeats from there; None (off): no result cache"
+        ),
+    )
+    result_cache_max_entries: int = Field(
+        default=10_000,
+        ge=1,
+        description=("the most results kept, over all router replicas (the oldest go first)"),
+    )
+    result_cache_max_entry_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        description=("a larger result is not cached"),
+    )
     # Shedding by priority (router/priority.py): this fraction of max_inflight_requests
     # and of max_prefill_queue_s is kept for requests of priority >= priority_reserved_min;
     # lower ones are shed once the load passes the rest, so an important request is never
     # shed while a less important one is admitted. 0: one limit for every priority.
-    priority_headroom: float = Field(default=0.0, ge=0, lt=1)
-    priority_reserved_min: int = Field(default=1, ge=-1000, le=1000)
+    priority_headroom: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description=(
+            "fraction of the router's limits kept for priorities >= priority_reserved_min"
+            " (a larger priority is more important); 0: one limit for every priority"
+        ),
+    )
+    priority_reserved_min: int = Field(
+        default=1,
+        ge=-1000,
+        le=1000,
+        description=("the lowest priority that may use the priority_headroom"),
+    )
 
     # Leases and deadlines (docs/kv-handoff.md).
-    worker_lease_s: float = Field(default=10.0, gt=0)
-    heartbeat_s: float = Field(default=1.0, gt=0)
+    worker_lease_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=("a worker's index registration lives this long without a heartbeat"),
+    )
+    heartbeat_s: float = Field(
+        default=1.0,
+        gt=0,
+        description=("a worker's heartbeat period (shorter than worker_lease_s)"),
+    )
     # Unset, the KV wait for a queue at max_prefill_queue_s (at least 10 s), and a first
     # token deadline of twice that (at least 120 s): a request admitted at the bound whose
     # KV still came late is then prefilled by its decode worker, about as long again.
-    kv_wait_timeout_s: float = Field(default_factory=_default_kv_wait_timeout_s, gt=0)
-    transfer_timeout_s: float = Field(default=30.0, gt=0)
-    first_token_timeout_s: float = Field(default_factory=_default_first_token_timeout_s, gt=0)
+    kv_wait_timeout_s: float = Field(
+        default_factory=_default_kv_wait_timeout_s,
+        gt=0,
+        description=(
+            "the longest a decode worker waits for pushed KV before prefilling itself"
+            " (default: the wait of a queue at max_prefill_queue_s, at least 10)"
+        ),
+    )
+    transfer_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "a KV push never takes longer; nor does the router's wait for the prefill"
+            " worker's report once a request's last token is out"
+        ),
+    )
+    first_token_timeout_s: float = Field(
+        default_factory=_default_first_token_timeout_s,
+        gt=0,
+        description=(
+            "the router's deadline for a request's first token (default: twice"
+            " kv_wait_timeout_s, at least 120)"
+        ),
+    )
     max_resumes: int = Field(default=2, ge=0, description="decode failures one stream survives")
-    stall_timeout_s: float = Field(default=120.0, gt=0)
+    stall_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description=("the router's deadline between two tokens of a stream"),
+    )
     # How long running streams may go on once the cluster stops (pdserve up's SIGINT or
     # SIGTERM, `serve run`'s Ctrl-C, `serve shutdown`): then each ends with an error event
     # and the replicas stop. Within Kubernetes' default 30 s termination grace.
-    shutdown_grace_s: float = Field(default=10.0, ge=0, le=600)
+    shutdown_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=600,
+        description=(
+            "once the cluster stops (Ctrl-C / SIGTERM, serve run's Ctrl-C, serve"
+            " shutdown), running streams may go on this long; then each ends with an error"
+            " event"
+        ),
+    )
 
     @field_validator("speculative")
     @classmethod
@@ -814,3 +898,27 @@ def _ping_redis(url: str, timeout_s: float) -> None:
         raise ConfigError("redis_url", f"{redact_url(url)} does not answer: {exc}") from None
     finally:
         client.close()
+
+
+__all__ = [
+    "KVTLS",
+    "MODEL_APP_PREFIX",
+    "ROLES",
+    "SECRET_FIELDS",
+    "APIKeyDefaults",
+    "ClusterConfig",
+    "ConfigError",
+    "DisaggPolicy",
+    "Mode",
+    "ModelSpec",
+    "Placement",
+    "PlacementWeights",
+    "PoolAutoscaling",
+    "ToolCallParserName",
+    "Transport",
+    "app_slug",
+    "expand_env",
+    "model_app_name",
+    "parse_cpu_set",
+    "redact_url",
+]

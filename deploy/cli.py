@@ -17,6 +17,8 @@ from pdserve.engine.errors import EngineError
 BENCH_ARGS = "pdserve.benchmarks.bench_args"
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from pdserve.cluster.config import KVTLS
     from pdserve.deploy.stopping import StopSignals
 
@@ -65,13 +67,6 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _json_arg(text: str | None) -> Any:
-    try:
-        return None if text is None else json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON: {text!r} ({exc})") from exc
-
-
 def _routes_file(path: str | None) -> list[Any]:
     """The `routes` a YAML (or JSON) file lists: `[{name, default, rules: [...]}, ...]`."""
     if path is None:
@@ -82,14 +77,6 @@ def _routes_file(path: str | None) -> list[Any]:
     if not isinstance(routes, list):
         raise ValueError(f"{path}: expected a list of routes, got {type(routes).__name__}")
     return routes
-
-
-def _float_or_off(text: str) -> float | None:
-    return None if text.strip().lower() in ("off", "none") else float(text)
-
-
-def _int_or_off(text: str) -> int | None:
-    return None if text.strip().lower() in ("off", "none") else int(text)
 
 
 def _api_keys(path: str | None) -> tuple[list[str], dict[str, dict[str, Any]]]:
@@ -139,16 +126,17 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _up_with(args: argparse.Namespace, signals: StopSignals) -> int:
+    from pdserve.cluster.config import APIKeyDefaults, ClusterConfig, ConfigError
+    from pdserve.deploy.flags import config_values
     from pdserve.deploy.serve_env import apply_serve_env, direct_ingress_env
 
     # Before anything imports ray.serve: the handles this process builds keep the
     # transport Serve chose at that import (gRPC only if the setting is there by then).
     apply_serve_env(os.environ)
+    fields = config_values(args, ClusterConfig)
     several = len(args.model or []) > 1
     ingress = args.ingress or ("proxy" if args.address is not None or several else "direct")
     if ingress == "direct" and several:
-        from pdserve.cluster.config import ConfigError
-
         raise ConfigError(
             "ingress",
             "several models are served through Serve's HTTP proxy (--ingress proxy): a "
@@ -158,83 +146,32 @@ def _up_with(args: argparse.Namespace, signals: StopSignals) -> int:
     if ingress == "direct":
         # read by Serve at import too: the controller and replicas this process starts
         # inherit them (a joined cluster needs them in its nodes' environment instead)
-        env = direct_ingress_env(args.port, args.router_replicas, args.ingress_drain_s)
-        for name, value in env.items():
+        replicas = fields.get("router_replicas", _declared("router_replicas"))
+        for name, value in direct_ingress_env(args.port, replicas, args.ingress_drain_s).items():
             os.environ.setdefault(name, value)
 
-    from pdserve.cluster.config import APIKeyDefaults, ClusterConfig, ConfigError
     from pdserve.deploy.stopping import stop_budget_s
     from pdserve.deploy.up import run_up
     from pdserve.engine.demo_model import resolve_model
 
+    external_redis = "redis_url" in fields
+    fields.setdefault("redis_url", "")  # "": run_up starts an embedded one
+    if fields.get("speculative") is not None:
+        fields["speculative"] = _absolute_draft(fields["speculative"])
     api_keys, api_key_defaults = _api_keys(args.api_keys_file)
-    fields: dict[str, Any] = dict(
-        mode=args.mode,
-        transport=args.transport,
-        placement=args.placement,
-        prefill_replicas=args.prefill_replicas,
-        decode_replicas=args.decode_replicas,
-        router_replicas=args.router_replicas,
-        prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp,
-        redis_url=args.redis_url or "",
-        transfer_host=args.transfer_host,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        load_format=args.load_format,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        attention_backend=args.attention_backend,
-        speculative=_absolute_draft(args.speculative),
-        tpot_target_ms=args.tpot_target_ms,
-        prefill_wait_limit_ms=args.prefill_wait_limit_ms,
-        enforce_eager=args.enforce_eager,
-        kv_staging_mb=args.kv_staging_mb,
-        stream_hold_above=args.stream_hold_above,
-        replica_num_cpus=args.replica_cpus,
-        device=args.device,
-        prefill_resources=_json_arg(args.prefill_resources) or {},
-        decode_resources=_json_arg(args.decode_resources) or {},
-        router_resources=_json_arg(args.router_resources) or {},
-        replica_num_gpus=args.replica_gpus,
-        worker_lease_s=args.worker_lease_s,
-        heartbeat_s=args.heartbeat_s,
-        transfer_timeout_s=args.transfer_timeout_s,
-        shutdown_grace_s=args.shutdown_grace_s,
-        disagg_policy=args.disagg_policy,
-        local_prefill_max_tokens=args.local_prefill_max_tokens,
-        local_prefill_max_running=args.local_prefill_max_running,
-        local_prefill_interference=args.local_prefill_interference,
-        max_prefill_queue_s=args.max_prefill_queue_s,
-        prefill_spill_queue_s=args.prefill_spill_queue_s,
-        kv_wait_factor=args.kv_wait_factor,
-        kv_wait_floor_s=args.kv_wait_floor_s,
-        api_keys=api_keys,
-        api_key_defaults={k: APIKeyDefaults.model_validate(v) for k, v in api_key_defaults.items()},
-        max_inflight_requests=args.max_inflight_requests,
-        max_body_bytes=args.max_body_bytes,
-        result_cache_ttl_s=args.result_cache_ttl_s,
-        result_cache_max_entries=args.result_cache_max_entries,
-        result_cache_max_entry_bytes=args.result_cache_max_entry_bytes,
-        priority_headroom=args.priority_headroom,
-        priority_reserved_min=args.priority_reserved_min,
-        prefill_cpus=args.prefill_cpus,
-        decode_cpus=args.decode_cpus,
-        routes=_routes_file(args.routes_file),
-        tool_call_parser=args.tool_call_parser,
-        prefill_autoscaling=_json_arg(args.prefill_autoscaling),
-        decode_autoscaling=_json_arg(args.decode_autoscaling),
-        kv_tls=_kv_tls(args),
-    )
+    fields |= {
+        "api_keys": api_keys,
+        "api_key_defaults": {
+            k: APIKeyDefaults.model_validate(v) for k, v in api_key_defaults.items()
+        },
+        "routes": _routes_file(args.routes_file),
+        "kv_tls": _kv_tls(args),
+    }
     with signals.interruptible():  # the demo model trains here on first use
         specs = [_model_spec(value, resolve_model) for value in args.model or [None]]
     if len(specs) == 1:  # one model: its overrides are the cluster's fields
-        fields |= {"served_model_name": args.served_model_name} | specs[0]
-    elif args.served_model_name is not None:
+        fields |= specs[0]
+    elif fields.get("served_model_name") is not None:
         raise ConfigError(
             "served_model_name",
             "--served-model-name names one model; with several --model, name each: "
@@ -242,13 +179,11 @@ def _up_with(args: argparse.Namespace, signals: StopSignals) -> int:
         )
     else:
         fields["models"] = specs
-    if args.kv_wait_timeout_s is not None:  # unset: derived from --max-prefill-queue-s
-        fields["kv_wait_timeout_s"] = args.kv_wait_timeout_s
     config = ClusterConfig(**fields)
     # Everything a replica would trip over, before anything starts (seconds, not the
     # ready timeout). The embedded Redis is started by run_up, so only an external one
     # is pinged; joining a cluster on other nodes needs one they can all reach.
-    if args.address is not None and not args.redis_url:
+    if args.address is not None and not external_redis:
         raise ConfigError(
             "redis_url",
             "--address (joining a Ray cluster) needs --redis-url: the embedded Redis "
@@ -256,10 +191,16 @@ def _up_with(args: argparse.Namespace, signals: StopSignals) -> int:
         )
     signals.budget_s = stop_budget_s(config.shutdown_grace_s)
     with signals.interruptible():
-        config.preflight(check_redis=bool(args.redis_url))
+        config.preflight(check_redis=external_redis)
     return run_up(
         config, args.host, args.port, address=args.address, ingress=ingress, signals=signals
     )
+
+
+def _declared(name: str) -> Any:
+    from pdserve.cluster.config import ClusterConfig
+
+    return ClusterConfig.model_fields[name].default
 
 
 def _model_spec(value: str | None, resolve: Any) -> dict[str, Any]:
@@ -363,7 +304,13 @@ def _add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     importlib.import_module(BENCH_ARGS).add_bench_parser(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config_model: type[BaseModel] | None = None) -> argparse.ArgumentParser:
+    """The command line; `config_model`: the configuration whose fields `up` takes as
+    flags (ClusterConfig, or a subclass of it)."""
+    from pdserve.cluster.config import ClusterConfig
+    from pdserve.deploy.flags import add_config_flags
+
+    config_model = config_model or ClusterConfig
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -391,37 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Repeat to serve several models, each as PATH[,FIELD=VALUE...] with a model's own "
         "fields (e.g. served_model_name=a,mode=colocated,decode_replicas=2)",
     )
-    up.add_argument("--served-model-name", default=None, help="model id for clients")
     up.add_argument(
         "--routes-file",
         default=None,
         help="YAML list of routed model names and their rules (the `routes` field)",
     )
-    up.add_argument(
-        "--tool-call-parser",
-        choices=["auto", "hermes", "json", "none"],
-        default="auto",
-        help="the format tool_choice=auto parses calls from (default: from the chat template)",
-    )
-    up.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
-    up.add_argument("--transport", choices=["grpc", "ucx"], default="grpc")
-    up.add_argument(
-        "--placement", choices=["prefix-aware", "round-robin", "random"], default="prefix-aware"
-    )
-    up.add_argument("--prefill-replicas", type=int, default=1)
-    up.add_argument("--decode-replicas", type=int, default=1)
-    up.add_argument("--router-replicas", type=int, default=1)
-    for pool, extra in (("prefill", " (disagg mode)"), ("decode", "")):
-        up.add_argument(
-            f"--{pool}-tp",
-            type=int,
-            default=1,
-            metavar="N",
-            help=f"tensor-parallel ranks per {pool} replica{extra}: a placement group of N "
-            "bundles of --replica-cpus CPUs and --replica-gpus GPUs (one GPU per rank on GPU "
-            "nodes), all on one node; the model's heads, KV heads and intermediate size "
-            "must shard N ways. With --device cuda it needs --num-kv-blocks (per rank)",
-        )
     up.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback)")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument(
@@ -439,222 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="direct ingress: how long a stopping router replica still serves, so that a "
         "load balancer in front can take it out first",
     )
-    up.add_argument(
-        "--transfer-host", default="127.0.0.1", help="address the KV receivers bind and announce"
-    )
-    up.add_argument(
-        "--redis-url",
-        default=None,
-        help="external Redis, redis://[:PASSWORD@]HOST:PORT/DB (default: an embedded one, "
-        "on loopback with a generated password); pinged before anything starts",
-    )
     up.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
-    up.add_argument("--block-size", type=int, default=16)
-    up.add_argument("--max-model-len", type=int, default=None)
-    up.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV blocks per worker (per rank with TP)"
-    )
-    up.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="CUDA, without --num-kv-blocks: fraction of its GPU's memory a worker may use, "
-        "the KV pool taking what the model leaves (default 0.9, times --replica-gpus "
-        "when that is a fraction); ignored on CPU",
-    )
-    up.add_argument(
-        "--load-format",
-        choices=["auto", "dummy"],
-        default="auto",
-        help="dummy: random weights of config.json's shape, no weight file read (benchmarks)",
-    )
-    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    up.add_argument(
-        "--quantization",
-        choices=["none", "int8"],
-        default="none",
-        help="int8: the transformer blocks' linear weights as int8 with a scale per output "
-        "row (half the bytes of bf16 per decode step); use with --dtype bfloat16 on CPU",
-    )
-    up.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "int8", "fp8"],
-        default="auto",
-        help="the KV cache of both pools: auto (the model's dtype), or int8 / fp8 (e4m3):"
-        " 8 bits per value and a bf16 scale per token and KV head, about half the KV bytes"
-        " per decode step and per handoff, twice the blocks in the same memory",
-    )
-    up.add_argument(
-        "--attention-backend",
-        choices=["auto", "torch", "cpu", "triton"],
-        default="auto",
-        help="auto: Triton on CUDA, the C decode kernel on CPU; triton on CPU runs every"
-        " Triton kernel (the KV handoff's pack/unpack too) in Triton's interpreter: tests"
-        " only, with TRITON_INTERPRET=1 in the environment",
-    )
-    up.add_argument(
-        "--speculative",
-        default=None,
-        metavar="SPEC",
-        help='speculative decoding on the decode pool: "ngram:k=4" (prompt lookup: up to 4'
-        " tokens proposed per step from the sequence's own text, verified in one pass;"
-        ' greedy output unchanged), "ngram:k=K,n=N,adaptive=off", or "draft:PATH,k=4" (a'
-        " smaller model of the same vocabulary, its folder PATH, proposes)",
-    )
-    up.add_argument("--threads", type=int, default=1, help="torch threads per replica")
-    up.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="CUDA only: run every engine step eagerly (no decode CUDA graphs)",
-    )
-    up.add_argument(
-        "--kv-staging-mb",
-        type=int,
-        default=256,
-        help="CUDA: pinned host MiB a prefill worker stages exported KV in",
-    )
-    up.add_argument(
-        "--tpot-target-ms",
-        type=_float_or_off,
-        default=100.0,
-        help="cap the prefill tokens of a step that has decode rows so that its measured "
-        "cost stays within this; 'off' for the token budget alone",
-    )
-    up.add_argument(
-        "--prefill-wait-limit-ms",
-        type=_float_or_off,
-        default=500.0,
-        help="drop the --tpot-target-ms cap while a request has waited longer than this to "
-        "be admitted (so the queue cannot grow without bound); 'off': never",
-    )
-    up.add_argument(
-        "--stream-hold-above",
-        type=_int_or_off,
-        default=16,
-        help="above this many streams on a decode worker, send tokens two per message "
-        "(one waits at most one step); 'off': one message per step",
-    )
-    up.add_argument("--worker-lease-s", type=float, default=10.0, help="index lease")
-    up.add_argument("--heartbeat-s", type=float, default=1.0, help="worker heartbeat period")
-    up.add_argument(
-        "--kv-wait-timeout-s",
-        type=float,
-        default=None,
-        help="the longest a decode worker waits for pushed KV before prefilling itself "
-        "(default: the wait of a queue at --max-prefill-queue-s, at least 10)",
-    )
-    up.add_argument(
-        "--transfer-timeout-s",
-        type=float,
-        default=30.0,
-        help="a KV push never takes longer; nor does the router's wait for the prefill "
-        "worker's report once a request's last token is out",
-    )
-    up.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=10.0,
-        help="on Ctrl-C / SIGTERM, running streams may go on this long; then each ends with "
-        "an error event and everything stops (a second Ctrl-C stops at once)",
-    )
-    disagg = up.add_argument_group("where prompts are prefilled (disagg mode; router/disagg.py)")
-    disagg.add_argument(
-        "--disagg-policy",
-        choices=["conditional", "always"],
-        default="conditional",
-        help="conditional: the decode worker prefills when that is sooner; always: the split",
-    )
-    disagg.add_argument(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=32,
-        help="uncached prompt tokens up to which the decode worker prefills (conditional)",
-    )
-    disagg.add_argument(
-        "--local-prefill-max-running",
-        type=int,
-        default=0,
-        help="a decode worker running more sequences than this never prefills a long prompt "
-        "because it would be sooner (0: only an idle one; its streams would stall)",
-    )
-    disagg.add_argument(
-        "--local-prefill-interference",
-        type=float,
-        default=0.05,
-        help="weight of a local prefill's time per sequence the decode worker runs",
-    )
-    disagg.add_argument(
-        "--max-prefill-queue-s",
-        type=float,
-        default=4.0,
-        help="past this many seconds of queued prefill work everywhere, 429",
-    )
-    disagg.add_argument(
-        "--prefill-spill-queue-s",
-        type=float,
-        default=4.0,
-        help="past this many seconds of queued work on the prefill worker, the decode worker "
-        "prefills instead (conditional; at most --max-prefill-queue-s)",
-    )
-    disagg.add_argument(
-        "--kv-wait-factor", type=float, default=2.0, help="KV wait = factor x estimate + floor"
-    )
-    disagg.add_argument("--kv-wait-floor-s", type=float, default=2.0, help="(see --kv-wait-factor)")
-    for pool in ("prefill", "decode"):
-        up.add_argument(
-            f"--{pool}-autoscaling",
-            default=None,
-            metavar="JSON",
-            help=f"autoscale the {pool} pool: JSON of PoolAutoscaling, e.g. "
-            '\'{"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 5}\'',
-        )
     up.add_argument(
         "--api-keys-file",
         default=None,
-        help="file with one API key per line; clients must send 'Authorization: Bearer KEY' "
-        "(keys may also come from $PDSERVE_API_KEYS, comma-separated)",
-    )
-    up.add_argument("--max-inflight-requests", type=int, default=1024, help="per router replica")
-    up.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    up.add_argument(
-        "--result-cache-ttl-s",
-        type=_float_or_off,
-        default=None,
-        help="keep greedy and seeded requests' results in Redis this long and answer "
-        "repeats from there (default: off)",
-    )
-    up.add_argument("--result-cache-max-entries", type=int, default=10_000)
-    up.add_argument(
-        "--result-cache-max-entry-bytes",
-        type=int,
-        default=1 << 20,
-        help="a larger result is not cached",
-    )
-    up.add_argument(
-        "--priority-headroom",
-        type=float,
-        default=0.0,
-        help="fraction of the router's limits kept for priorities >= --priority-reserved-min "
-        "(larger priority = more important); 0: one limit for every priority",
-    )
-    up.add_argument("--priority-reserved-min", type=int, default=1)
-    up.add_argument("--prefill-cpus", default=None, help="pin prefill replicas to these CPUs")
-    up.add_argument("--decode-cpus", default=None, help="pin decode replicas to these CPUs")
-    up.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per worker replica")
-    up.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' for the workers")
-    for pool in ("prefill", "decode", "router"):
-        up.add_argument(
-            f"--{pool}-resources",
-            default=None,
-            metavar="JSON",
-            help=f"Ray custom resources each {pool} replica needs, e.g. "
-            f"'{{\"{pool}_pool\": 1}}': its replicas go only to nodes that have them",
-        )
-    up.add_argument(
-        "--replica-gpus",
-        type=float,
-        default=0.0,
-        help="Ray GPUs per worker replica; a fraction shares one GPU (0.5: two replicas)",
+        help="file with one API key per line (KEY [priority=N] [cache_salt=S]); clients must "
+        "send 'Authorization: Bearer KEY' (keys may also come from $PDSERVE_API_KEYS)",
     )
     tls = up.add_argument_group(
         "KV transfer TLS (gRPC transport only; PEM files at the same paths on every node)"
@@ -671,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-tls-server-name",
         default=None,
         help="the name the certificate holds, if not the announced transfer address",
+    )
+    # Every other flag is a field of the cluster's configuration (deploy/flags.py).
+    add_config_flags(
+        up.add_argument_group("the cluster's configuration (docs/configuration.md)"),
+        config_model,
+        not_given={"redis_url": "an embedded one, on loopback with a generated password"},
     )
     up.set_defaults(func=_up)
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from pdserve.engine.speculative import SpeculativeConfig
 
@@ -32,8 +33,12 @@ class EngineConfig(BaseModel):
     model_id: str | None = Field(
         default=None, description="Name served and hashed into block hashes; folder name if unset."
     )
-    dtype: DType = "auto"
-    device: str = "cpu"
+    dtype: DType = Field(
+        default="auto",
+        description="the weights' and activations' dtype; auto: the checkpoint's"
+        " (torch_dtype), float32 where it names none",
+    )
+    device: str = Field(default="cpu", description="'cpu', or 'cuda[:N]'")
     load_format: LoadFormat = Field(
         default="auto",
         description="auto: the folder's safetensors weights; dummy: random weights of the"
@@ -47,10 +52,9 @@ class EngineConfig(BaseModel):
         " nearest), half the weight bytes of bf16 that each decode step reads; the"
         " embedding, LM head and norms stay in `dtype` (engine/linear.py, Int8Linear)."
         " On CPU with AVX-512 a C kernel reads the int8 weight, packed at load, once per"
-        " step (engine/cpu_int8.py): measured 1.7-2.1x bf16's decode tokens/s at batch 1"
-        " and 1.0x at batch 32, 1 thread (benchmarks/quantization.py). Elsewhere torch's"
-        " int8 matmul: vectorised for bfloat16 only and compute-bound (about bf16's speed"
-        " at batch 1, half at 32), so there the memory is the gain.",
+        " step (engine/cpu_int8.py); elsewhere torch's int8 matmul, vectorised for"
+        " bfloat16 only and compute-bound, so there the memory is the gain (README,"
+        " 'Offline generation', has the measurements).",
     )
     kv_cache_dtype: KVCacheDtype = Field(
         default="auto",
@@ -64,8 +68,12 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(
         default=1, ge=1, description="torch threads for this process; None leaves torch's default."
     )
-    block_size: int = Field(default=16, ge=1, le=1024)
-    num_kv_blocks: int | None = Field(default=None, ge=1)
+    block_size: int = Field(
+        default=16, ge=1, le=1024, description="tokens per KV block (a power of two)"
+    )
+    num_kv_blocks: int | None = Field(
+        default=None, ge=1, description="KV blocks in the pool (per rank with TP)"
+    )
     kv_cache_memory_gb: float | None = Field(default=None, gt=0)
     gpu_memory_utilization: float | None = Field(
         default=None,
@@ -84,8 +92,13 @@ class EngineConfig(BaseModel):
         " reused) that exported KV is copied into for sending; a payload that does not fit"
         " gets a one-off allocation (engine/kv_staging.py).",
     )
-    max_model_len: int | None = Field(default=None, ge=1)
-    max_num_seqs: int = Field(default=256, ge=1)
+    max_model_len: int | None = Field(
+        default=None,
+        ge=2,
+        description="the longest sequence, prompt and output (default: the model's,"
+        " capped to what the KV pool holds)",
+    )
+    max_num_seqs: int = Field(default=256, ge=1, description="sequences in one step, at most")
     max_num_batched_tokens: int = Field(
         default=2048, ge=1, description="Token budget of one step (prefill chunks + decodes)."
     )
@@ -128,7 +141,9 @@ class EngineConfig(BaseModel):
         " max_num_seqs) replay as CUDA graphs, padded up to the next captured batch size;"
         " larger ones run eagerly.",
     )
-    seed: int = 0
+    seed: int = Field(
+        default=0, description="seeds the sampling of requests without a seed, and dummy weights"
+    )
     speculative: str | None = Field(
         default=None,
         description='Speculative decoding (engine/speculative.py): "ngram:k=K[,n=N]" proposes'
@@ -182,3 +197,10 @@ class EngineConfig(BaseModel):
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         return self
+
+
+def engine_field(name: str, **overrides: Any) -> Any:
+    """EngineConfig's declaration of setting `name` (its constraints and description),
+    with `overrides` (a cluster's own default): a configuration that passes engine
+    settings on (`cluster/config.py`) declares them through this, so each is stated once."""
+    return FieldInfo.merge_field_infos(EngineConfig.model_fields[name], **overrides)

@@ -76,3 +76,57 @@ def test_relative_links_in_the_docs_resolve() -> None:
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, f"broken links: {broken}"
+
+
+_ROW = re.compile(r"^\| `([a-z_0-9]+)` \| ([^|]*) \| ([^|]*) \|", re.MULTILINE)
+_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def _documented_default(cell: str) -> tuple[bool, object]:
+    """(whether the cell states a plain value, that value)."""
+    text = cell.strip().strip("`")
+    if cell.strip() in ("off", "none", "None"):  # bare: no value (a backticked one is a word)
+        return True, None
+    if re.fullmatch(r"-?\d+(\.\d+)?", text):
+        return True, float(text)
+    unit = re.fullmatch(r"(\d+) (KiB|MiB|GiB)", text)
+    if unit:
+        return True, float(int(unit.group(1)) * _UNITS[unit.group(2)])
+    if cell.strip().startswith("`") and re.fullmatch(r"[a-z0-9_.:/-]+", text):
+        return True, text
+    return False, None
+
+
+def test_each_documented_flag_and_default_is_the_models() -> None:
+    """The flag and the default docs/configuration.md states for a field are the ones the
+    command line and the model have (deploy/flags.py generates one from the other)."""
+    from pdserve.deploy.flags import flag_fields, flag_name
+
+    text = (DOCS / "configuration.md").read_text()
+    fields = flag_fields(ClusterConfig)
+    checked = 0
+    wrong = []
+    for name, flag_cell, default_cell in _ROW.findall(text):
+        field = fields.get(name)
+        if field is None:
+            continue
+        if flag_name(name) not in flag_cell:
+            wrong.append(
+                f"{name}: flag {flag_cell.strip()!r}, the command line's is {flag_name(name)}"
+            )
+        plain, value = _documented_default(default_cell)
+        if not plain or field.default_factory is not None:
+            continue
+        checked += 1
+        default = field.default
+        same = value == (
+            float(default)
+            if isinstance(default, int | float) and not isinstance(default, bool)
+            else default
+        )
+        if not same:
+            wrong.append(
+                f"{name}: documented default {default_cell.strip()!r}, the model's {default!r}"
+            )
+    assert not wrong, "\n".join(wrong)
+    assert checked >= 40, f"only {checked} documented defaults could be checked"
