@@ -30,6 +30,8 @@ from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.deploy.redis_server import EmbeddedRedis
 from pdserve.engine.hashing import hash_block_chain, hash_namespace
 
+pytestmark = pytest.mark.redis  # starts its own redis-server to read the index
+
 MAX_TOKENS = 8
 SPEC = "ngram:k=4,adaptive=off"
 BLOCK_SIZE = 8

@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 
 from pdserve.deploy.redis_server import EmbeddedRedis
+
+pytestmark = pytest.mark.redis  # stops and restarts a redis-server of its own
 
 BLOCK_SIZE = 8
 MAX_TOKENS = 6
