@@ -361,7 +361,9 @@ def write_outputs(
     from pdserve.benchmarks.bench_report import markdown
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    body = {"config": config or {}, "runs": [r.to_json() for r in results]}
+    from pdserve.benchmarks.machine import machine
+
+    body = {"config": config or {}, "machine": machine(), "runs": [r.to_json() for r in results]}
     paths = [out_dir / "bench.json", out_dir / "bench.md"]
     paths[0].write_text(json.dumps(body, indent=1) + "\n")
     paths[1].write_text(markdown([(r.label, r.summary) for r in results]))

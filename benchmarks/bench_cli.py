@@ -20,6 +20,7 @@ from pdserve.benchmarks.bench import (
     write_outputs,
 )
 from pdserve.benchmarks.bench_workloads import Trace, Workload, parse_workload
+from pdserve.benchmarks.machine import print_machine
 
 DEFAULT_NUM_REQUESTS = 100  # when neither a count nor a duration is given
 _WORKLOAD_FLAGS = (
@@ -66,6 +67,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     Returns 0 when some request succeeded, else 1.
     """
+    print_machine()  # the CPU and its flags, with every figure
     workload = workload_from_args(args)
     arrivals = arrivals_from_args(args, workload)
     num_requests = args.num_requests

@@ -41,6 +41,7 @@ from typing import Any
 from pdserve.benchmarks.bench import SLO, BenchResult, ModelInfo, Poisson, run_benchmark
 from pdserve.benchmarks.bench_report import Scrape, scrape_metrics
 from pdserve.benchmarks.bench_workloads import Mixed, SharedPrefix, Workload
+from pdserve.benchmarks.machine import print_machine
 from pdserve.deploy.redis_server import drain, free_port, wait_for_line
 from pdserve.engine.hashing import hash_block_chain, hash_namespace
 
@@ -338,6 +339,7 @@ def _render_placements(s: dict[str, Any]) -> list[str]:
 
 def compare_from_args(args: Any) -> int:
     """`pdserve bench --compare`: the CLI's flags -> `run_compare`."""
+    print_machine()  # the CPU and its flags, with every figure
     slo = SLO(ttft_s=args.slo_ttft or 0.5, tpot_s=args.slo_tpot or 0.02)
     cfg = CompareConfig(
         model=args.model,

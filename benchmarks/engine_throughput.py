@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pdserve.benchmarks.machine import print_machine
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import write_random_model
 from pdserve.engine.model import LlamaModel
@@ -535,6 +536,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    print_machine()  # the CPU and its flags, with every figure
     import transformers
 
     transformers.logging.set_verbosity_error()

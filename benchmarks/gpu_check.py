@@ -80,6 +80,8 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from pdserve.benchmarks.machine import print_machine
+
 MAX_NEW_TOKENS = 8
 TRANSFER_PROMPT_LEN = 2048
 DEFAULT_BUDGET_S = 420.0
@@ -918,6 +920,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    print_machine()  # the CPU and its flags, with every figure
     started = time.monotonic()
     args = parse_args(argv)
     if args.smoke:

@@ -73,6 +73,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.utils import HIREDIS_AVAILABLE
 
+from pdserve.benchmarks.machine import print_machine
 from pdserve.cluster.config import PlacementWeights
 from pdserve.cluster.prefix_index import MatchResult, PrefixIndex, WorkerInfo
 from pdserve.deploy.redis_server import EmbeddedRedis
@@ -723,6 +724,7 @@ async def run_until_signal(args: argparse.Namespace, url: str) -> list[Size]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    print_machine()  # the CPU and its flags, with every figure
     args = parse_args(argv)
     server = None
     try:

@@ -37,6 +37,8 @@ from typing import TypeVar
 
 import torch
 
+from pdserve.benchmarks.machine import print_machine
+
 BLOCK_SIZE = 16
 HEAD_DIM = 128
 NUM_HEADS, NUM_KV_HEADS = 32, 8  # Llama-3-8B's attention shape
@@ -463,6 +465,7 @@ def run_suite(suite: Suite) -> float:
 
 
 def main() -> int:
+    print_machine()  # the CPU and its flags, with every figure
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = parser.parse_args()

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.benchmarks.machine import print_machine
 from pdserve.kv_transfer import make_receiver, make_sender
 from pdserve.kv_transfer.base import (
     KVLayout,
@@ -273,6 +274,7 @@ def llama_case(repeats: int) -> None:
 
 
 def main() -> int:
+    print_machine()  # the CPU and its flags, with every figure
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--repeats", type=int, default=10)

@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.benchmarks.bench_report import sample, scrape_metrics
+from pdserve.benchmarks.machine import print_machine
 from pdserve.benchmarks.netns import NEEDS, Node, Topology, can_make_namespaces, start_cluster
 from pdserve.benchmarks.netns import topology as make_topology
 
@@ -165,6 +166,7 @@ def run_transport(
 
 
 def main() -> int:
+    print_machine()  # the CPU and its flags, with every figure
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", default="10gbit", help="netem rate of every link")
     parser.add_argument("--delay", default="100us", help="netem delay of every link (one way)")

@@ -68,6 +68,7 @@ from pdserve.benchmarks.engine_throughput import (
     cpu_wait_since,
     thread_cpu_ns,
 )
+from pdserve.benchmarks.machine import print_machine
 from pdserve.benchmarks.tp_scaling import markdown_table
 from pdserve.engine import LLM, LLMEngine, SamplingParams, cpu_kernels, kv_quant
 from pdserve.engine.attention import (
@@ -631,6 +632,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    print_machine()  # the CPU and its flags, with every figure
     import transformers
 
     transformers.logging.set_verbosity_error()

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.benchmarks.machine import print_machine
 from pdserve.cluster.config import ClusterConfig, Mode
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port
 from pdserve.engine.sampling_params import SamplingParams
@@ -344,6 +345,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def main() -> int:
+    print_machine()  # the CPU and its flags, with every figure
     args = parse_args()
     config = cluster_config(args)
     with running_cluster(config, args.port or free_port(HOST)) as url:

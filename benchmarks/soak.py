@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.benchmarks.compare import cluster_process
+from pdserve.benchmarks.machine import print_machine
 
 REQUEST_TIMEOUT_S = 120.0
 
@@ -145,6 +146,7 @@ async def run_soak(args: argparse.Namespace, url: str, sid: int) -> dict[str, An
 
 
 def main() -> None:
+    print_machine()  # the CPU and its flags, with every figure
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model folder (default: the demo model)")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")

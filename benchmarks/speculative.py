@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 from pdserve.benchmarks.engine_throughput import MODELS, build_checkpoint
+from pdserve.benchmarks.machine import print_machine
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import write_random_model
 from pdserve.engine.sequence import Sequence
@@ -300,6 +301,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    print_machine()  # the CPU and its flags, with every figure
     import transformers
 
     transformers.logging.set_verbosity_error()

@@ -70,6 +70,7 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve import Deployment
 
+from pdserve.benchmarks.machine import print_machine
 from pdserve.cluster.config import ClusterConfig
 from pdserve.decode_worker.channels import Channels
 from pdserve.deploy.app import SERVE_ENV, apply_serve_env
@@ -764,6 +765,7 @@ MODULE = "pdserve.benchmarks.stream_capacity"
 
 
 def main(argv: list[str] | None = None) -> int:
+    print_machine()  # the CPU and its flags, with every figure
     args = parse_args(argv)
     with running_cluster(args) as (url, config, env):
         sides = asyncio.run(measure(url, config.model_id, args))

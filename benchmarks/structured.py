@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from pdserve.benchmarks.engine_throughput import MODELS, build_checkpoint
+from pdserve.benchmarks.machine import print_machine
 from pdserve.benchmarks.structured_schemas import largest_schema
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import write_random_model
@@ -138,6 +139,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    print_machine()  # the CPU and its flags, with every figure
     import transformers
 
     transformers.logging.set_verbosity_error()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.benchmarks.machine import print_machine
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.dummy_model import TINY, ConfigShape, write_config_only_model
 from pdserve.engine.parallel import ParallelStats
@@ -201,6 +202,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    print_machine()  # the CPU and its flags, with every figure
     args = parse_args()
     if args.model is not None:
         from pdserve.engine.model_config import load_model_config

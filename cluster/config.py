@@ -368,7 +368,12 @@ class ClusterConfig(BaseModel):
     # has nothing to speculate; in colocated mode the one pool (the decode deployment)
     # does. A draft's folder is a path on the workers (preflight checks it here).
     speculative: str | None = engine_field("speculative")
-    num_threads: int = engine_field("num_threads", description="torch threads per replica")
+    num_threads: int | None = engine_field(
+        "num_threads",
+        description="torch threads per worker replica (per rank with TP). None: the"
+        " replica's share, the size of its pool's pinned CPU set (prefill_cpus,"
+        " decode_cpus) when it has one, otherwise replica_num_cpus rounded down, at least 1",
+    )
     block_size: int = engine_field("block_size")
     max_model_len: int | None = engine_field("max_model_len")
     num_kv_blocks: int | None = engine_field("num_kv_blocks")
@@ -694,6 +699,17 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         return self.prefill_tp if role == "prefill" else self.decode_tp
 
+    def threads(self, role: str) -> int:
+        """Torch threads of each replica (and rank) of the `role` pool: `num_threads`, else
+        the CPUs the replica is given (its pinned set, else its Ray CPUs)."""
+        self.tp(role)  # checks the role
+        if self.num_threads is not None:
+            return self.num_threads
+        pinned = self.prefill_cpus if role == "prefill" else self.decode_cpus
+        if pinned:
+            return len(parse_cpu_set(pinned))
+        return max(1, int(self.replica_num_cpus))
+
     def pool_resources(self, role: str) -> dict[str, float]:
         """The Ray custom resources each replica (and each rank) of the `role` pool asks for."""
         self.tp(role)  # checks the role
@@ -830,7 +846,7 @@ class ClusterConfig(BaseModel):
             model_id=self.model_id,
             dtype=self.dtype,
             device=self.device,
-            num_threads=self.num_threads,
+            num_threads=self.threads(role),
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
             gpu_memory_utilization=self.worker_gpu_memory_utilization(),

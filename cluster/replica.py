@@ -71,8 +71,9 @@ class WorkerReplica:
         cpus = self.config.prefill_cpus if self.role == "prefill" else self.config.decode_cpus
         if cpus:
             pin_process(parse_cpu_set(cpus))
-        torch.set_num_threads(self.config.num_threads)
-        os.environ.setdefault("OMP_NUM_THREADS", str(self.config.num_threads))
+        threads = self.config.threads(self.role)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         tune_malloc()  # KV transfers allocate a buffer per message (kv_transfer/base.py)
         self.worker_id = worker_id or replica_id()
         engine_config = self.config.engine_config(self.role)

@@ -326,7 +326,9 @@ def build_parser(config_model: type[BaseModel] | None = None) -> argparse.Argume
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--threads", type=int, default=1, help="torch threads")
+    gen.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: the usable CPUs)"
+    )
     gen.set_defaults(func=_generate)
 
     up = sub.add_parser("up", help="start a serving cluster (OpenAI API) and run until Ctrl-C")

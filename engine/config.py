@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -66,7 +67,11 @@ class EngineConfig(BaseModel):
         " different ones is refused).",
     )
     num_threads: int | None = Field(
-        default=1, ge=1, description="torch threads for this process; None leaves torch's default."
+        default=None,
+        ge=1,
+        description="torch threads for this process (and for each local tensor-parallel"
+        " rank). None: OMP_NUM_THREADS when it is set, otherwise the CPUs this process may"
+        " run on (its affinity mask) shared among the local ranks (default_num_threads).",
     )
     block_size: int = Field(
         default=16, ge=1, le=1024, description="tokens per KV block (a power of two)"
@@ -197,6 +202,27 @@ class EngineConfig(BaseModel):
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         return self
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (a container's or `taskset`'s
+    limit, a pinned replica's set), else every CPU of the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this OS
+        return os.cpu_count() or 1
+
+
+def default_num_threads(ranks: int = 1) -> int:
+    """Torch threads for an engine told none: OMP_NUM_THREADS when it is set (a user's or
+    a launcher's explicit choice), otherwise the usable CPUs shared among the `ranks`
+    processes of one engine on this host (local tensor parallelism), at least one each.
+    Torch's own default (physical cores of the machine, whatever the mask) oversubscribes
+    a container; one thread leaves the other cores idle."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.strip().isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, usable_cpus() // max(1, ranks))
 
 
 def engine_field(name: str, **overrides: Any) -> Any:

@@ -21,7 +21,11 @@ import torch
 from pdserve.engine import cpu_kernels, kv_quant
 from pdserve.engine.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
 from pdserve.engine.block_pool import BlockPool, KVEvent, KVEventKind
-from pdserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from pdserve.engine.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    EngineConfig,
+    default_num_threads,
+)
 from pdserve.engine.cuda_graphs import capture_sizes, cuda_graphs_enabled
 from pdserve.engine.demo_model import resolve_model
 from pdserve.engine.draft import DraftProposer
@@ -167,9 +171,14 @@ class LLMEngine:
         `rank_launcher`: how tensor-parallel ranks 1.. start; required with
         `distributed_executor_backend="ray"` (the cluster's, cluster/tp_ranks.py), local
         processes by default."""
-        self.config = config = config or EngineConfig()
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        config = config or EngineConfig()
+        threads = config.num_threads
+        if threads is None:  # the cores this process may use, shared by local TP ranks
+            ray_ranks = config.distributed_executor_backend == "ray"  # each its own CPUs
+            threads = default_num_threads(1 if ray_ranks else config.tensor_parallel_size)
+            config = config.model_copy(update={"num_threads": threads})
+        self.config = config
+        torch.set_num_threads(threads)
         self.model_dir = resolve_model(model)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)

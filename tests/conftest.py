@@ -79,13 +79,20 @@ def _cpu_kernels_built() -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread() -> Iterator[None]:
     """Explicit thread counts (docs/architecture.md, "Processes"): 2 OpenMP threads stall
-    a busy 2-core box."""
+    a busy 2-core box. OMP_NUM_THREADS=1 is what an engine told no count takes here
+    (engine/config.py, `default_num_threads`), in this process and in the commands tests
+    start; tests/engine/test_threads.py unsets it to test the default itself."""
     import torch
 
-    previous = torch.get_num_threads()
+    previous, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
     yield
     torch.set_num_threads(previous)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
 
 
 @pytest.fixture(scope="session")

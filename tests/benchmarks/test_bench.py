@@ -41,6 +41,7 @@ from pdserve.benchmarks.bench_workloads import (
     Workload,
     load_trace,
 )
+from pdserve.benchmarks.machine import cpu_line, machine
 from pdserve.deploy.cli import main as cli_main
 from pdserve.engine.tokenizer import Tokenizer
 
@@ -170,8 +171,10 @@ def test_cli_rate_sweep_prints_the_table_and_plots_goodput(
     argv += ["--suffix-len", "8", "--output-len", "3", "--slo-ttft", "30", "--slo-tpot", "30"]
     argv += ["--out", str(out_dir), "--no-progress"]
     assert cli_main(argv) == 0
-    printed = capsys.readouterr().out
+    machine_line, printed = capsys.readouterr().out.split("\n", 1)
+    assert machine_line == cpu_line()  # the CPU first, with every figure
     assert printed == (out_dir / "bench.md").read_text()
+    assert read_json(out_dir)["machine"] == machine()
     assert "rate 40 req/s" in printed and "rate 80 req/s" in printed and "| TTFT |" in printed
     runs = read_json(out_dir)["runs"]
     assert [r["arrival"]["rate"] for r in runs] == [40.0, 80.0]

@@ -1,0 +1,120 @@
+"""What `LLM(model)` gets without a thread count, against `LLM(model, num_threads=1)`.
+
+    python -m pdserve.benchmarks.default_threads [--model mid] [--dtype bfloat16] [--quick]
+
+An engine told no `num_threads` uses the CPUs its process may run on (`OMP_NUM_THREADS`
+when set, else its affinity mask: engine/config.py, `default_num_threads`). This measures
+that against one thread on engine_throughput's `uniform-b32` workload (32 random prompts
+of 128 tokens, 128 greedy tokens each, submitted at once), each setting in a fresh
+process, since torch's thread count is per process:
+
+- `num_threads=1`: the baseline (what `LLM(model)` did before threads by default);
+- `default`: `LLM(model)` in a process that never set a count;
+- `torch.set_num_threads(2)`: `LLM(model)` after the user set torch's count first, as
+  one does with any torch program (the engine's default is the usable CPUs either way).
+
+The line that matters is the ratio of each to the baseline's decode tokens/s, printed
+with the CPU (benchmarks/machine.py). `OMP_NUM_THREADS` is removed from the children's
+environment, so the default is the mask's. Benchmarks live here, never in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from pdserve.benchmarks.engine_throughput import (
+    FULL,
+    MODELS,
+    QUICK,
+    build_checkpoint,
+    make_workloads,
+    num_kv_blocks_for,
+)
+from pdserve.benchmarks.machine import print_machine
+
+SETTINGS = ("num_threads=1", "default", "torch.set_num_threads(2)")
+CHILD_TIMEOUT_S = 1800
+
+
+def run_one(model_dir: str, dtype: str, setting: str, quick: bool) -> dict[str, float]:
+    """In this (fresh) process: build the engine as `setting` says, warm it, time the
+    batch; its tokens/s and the threads it ran on."""
+    import time
+
+    import torch
+
+    from pdserve.engine import LLM, SamplingParams
+
+    sizes = QUICK if quick else FULL
+    spec = next(s for s in MODELS.values() if s.name == Path(model_dir).name)
+    name = f"uniform-b{sizes.big_batch}"  # 32 (--quick: 8)
+    (workload,) = [w for w in make_workloads(sizes, spec.vocab_size) if w.name == name]
+    kwargs: dict[str, object] = {"num_kv_blocks": num_kv_blocks_for([workload])}
+    if setting == "num_threads=1":
+        kwargs["num_threads"] = 1
+    elif setting == "torch.set_num_threads(2)":
+        torch.set_num_threads(2)
+    llm = LLM(model_dir, dtype=dtype, **kwargs)
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens
+    ]
+    llm.generate(workload.prompts[:2], params[:2])  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(workload.prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tok_s": tokens / elapsed, "threads": float(torch.get_num_threads())}
+
+
+def main() -> None:
+    print_machine()  # the CPU and its flags, with every figure
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="mid")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--quick", action="store_true", help="tiny model, batch 8: a smoke run")
+    parser.add_argument(
+        "--child", nargs=2, metavar=("MODEL_DIR", "SETTING"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_one(args.child[0], args.dtype, args.child[1], args.quick)))
+        return
+    model = "tiny" if args.quick else args.model
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="pdserve-threads-") as tmp:
+        from pdserve.engine.demo_model import write_random_model
+
+        tokenizer_dir = write_random_model(Path(tmp) / "random")
+        model_dir = build_checkpoint(MODELS[model], Path(tmp) / model, tokenizer_dir)
+        for setting in SETTINGS:
+            argv = [
+                sys.executable,
+                "-m",
+                "pdserve.benchmarks.default_threads",
+                "--dtype",
+                args.dtype,
+            ]
+            argv += [*(["--quick"] if args.quick else []), "--child", str(model_dir), setting]
+            out = subprocess.run(
+                argv, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False
+            )
+            if out.returncode != 0:
+                raise SystemExit(f"{setting}: exit {out.returncode}\n{out.stderr[-3000:]}")
+            results[setting] = json.loads(out.stdout.strip().splitlines()[-1])
+    base = results["num_threads=1"]["tok_s"]
+    batch = (QUICK if args.quick else FULL).big_batch
+    print(f"\n{model} {args.dtype}, batch-{batch} decode, each setting in a process of its own")
+    print("| LLM(model) | threads | tok/s | vs num_threads=1 |\n|---|---|---|---|")
+    for setting, r in results.items():
+        print(f"| {setting} | {r['threads']:.0f} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
