@@ -72,7 +72,14 @@ from ray.serve import Deployment
 
 from pdserve.benchmarks.machine import print_machine
 from pdserve.cluster.config import ClusterConfig
-from pdserve.decode_worker.channels import Channels
+from pdserve.cluster.messages import (
+    Accepted,
+    ChannelHello,
+    FirstItemExtras,
+    OutputItem,
+    SubmitReply,
+)
+from pdserve.decode_worker.channels import Batch, Channels
 from pdserve.deploy.app import SERVE_ENV, apply_serve_env
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port
 from pdserve.engine.sampling_params import SamplingParams
@@ -117,7 +124,7 @@ class FakeDecode:
         kv_expected: bool = False,
         target_replica: str | None = None,
         kv_wait_s: float | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[Accepted | OutputItem]:
         """The per-request stream (the bare side calls it)."""
         yield self._accepted()
         for i in range(params.max_tokens):
@@ -125,10 +132,10 @@ class FakeDecode:
 
     async def channel(
         self, channel_id: str, target_replica: str | None = None
-    ) -> AsyncIterator[list[tuple[str, dict[str, Any]]]]:
+    ) -> AsyncIterator[Batch]:
         """The token channel (the router uses it): every running request's next item per
         message, as the real decode worker sends one engine step's tokens."""
-        hello = {"type": "channel", "worker_id": self.worker_id}
+        hello: ChannelHello = {"type": "channel", "worker_id": self.worker_id}
         async for batch in self.channels.serve(channel_id, hello, CHANNEL_IDLE_S):
             yield batch
             step, self._step = self._step, asyncio.Event()
@@ -144,7 +151,7 @@ class FakeDecode:
         kv_wait_s: float | None = None,
         worker_id: str | None = None,
         target_replica: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> SubmitReply:
         channel = self.channels.get(channel_id)
         if channel is None:
             return {"type": "no_channel", "worker_id": self.worker_id}
@@ -171,7 +178,7 @@ class FakeDecode:
         finally:
             channel.tasks.pop(request_id, None)
 
-    def _accepted(self) -> dict[str, Any]:
+    def _accepted(self) -> Accepted:
         return {
             "type": "accepted",
             "kv_expected": False,
@@ -188,9 +195,9 @@ class FakeDecode:
         return self.worker_id
 
 
-def _fake_item(i: int, n: int, prompt_len: int) -> dict[str, Any]:
+def _fake_item(i: int, n: int, prompt_len: int) -> OutputItem:
     last = i == n - 1
-    item: dict[str, Any] = {
+    item: OutputItem = {
         "type": "output",
         "token_ids": [PROMPT[i % len(PROMPT)]],
         "text": TOKEN_TEXT,
@@ -199,13 +206,14 @@ def _fake_item(i: int, n: int, prompt_len: int) -> dict[str, Any]:
         "num_output_tokens": i + 1,
     }
     if i == 0:  # the real first item's extras (`_first_item_extras`)
-        item.update(
-            kv_used=False,
-            num_prompt_tokens=prompt_len,
-            num_cached_tokens=0,
-            decode_queue_s=0.0,
-            local_prefill_s=0.0,
-        )
+        extras: FirstItemExtras = {
+            "kv_used": False,
+            "num_prompt_tokens": prompt_len,
+            "num_cached_tokens": 0,
+            "decode_queue_s": 0.0,
+            "local_prefill_s": 0.0,
+        }
+        item.update(extras)
     return item
 
 

@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio as aioredis
 import torch
 
 from pdserve.cluster.config import ClusterConfig, parse_cpu_set
 from pdserve.cluster.index_member import IndexMember, LastKnownLoad
+from pdserve.cluster.messages import LoadReport
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.block_pool import KVEvent
@@ -171,7 +172,7 @@ class WorkerReplica:
             if not self._flush_again:
                 return
 
-    async def load(self, target_replica: str | None = None) -> dict[str, Any]:
+    async def load(self, target_replica: str | None = None) -> LoadReport:
         """Exact live state of this worker (the router's `/workers`, tests, benchmarks)."""
         load: dict[str, Any] = await self.engine.call(lambda e: e.load())
         generation = self.member.generation if self.member is not None else None
@@ -185,7 +186,7 @@ class WorkerReplica:
         }
         if self.rank_launcher is not None:
             out["tensor_parallel"] = await self.engine.call(_parallel_load)
-        return out
+        return cast(LoadReport, out)  # the engine's gauges hold IndexLoad's keys
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics hook (`deploy/autoscaling.py` reads them)."""

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
-Batch = list[tuple[str, dict[str, Any]]]
+from pdserve.cluster.messages import ChannelHello, StreamItem
+
+# (request id, item) pairs; a channel's first batch is [("", hello)]
+Batch = list[tuple[str, StreamItem | ChannelHello]]
 
 
 class Channel:
@@ -33,7 +35,7 @@ class Channel:
         self._ready = asyncio.Event()
         self.open = True
 
-    def put(self, request_id: str, item: dict[str, Any]) -> None:
+    def put(self, request_id: str, item: StreamItem) -> None:
         self._items.append((request_id, item))
         self._ready.set()
 
@@ -71,7 +73,7 @@ class Channels:
         return channel if channel is not None and channel.open else None
 
     async def serve(
-        self, channel_id: str, hello: dict[str, Any], idle_s: float
+        self, channel_id: str, hello: ChannelHello, idle_s: float
     ) -> AsyncIterator[Batch]:
         """The channel's stream: `hello` first (which replica took it), then batches."""
         if channel_id in self._open:

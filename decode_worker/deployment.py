@@ -14,7 +14,7 @@ full, any one when placement had no index): the router learns which replica took
 request and its receiver's address from the "accepted" item, and tells the prefill
 worker to push there.
 
-Items are plain dicts (the router imports no torch): first
+Items are plain dicts, typed in `cluster/messages.py` (the router imports no torch): first
 `{"type": "accepted", "kv_expected": bool, "worker_id": str, "address": str}` once the
 receiver expects the request (only then may the prefill worker push; `submit` returns
 it), then one `{"type": "output", ...}` per step that produced tokens. With `n` > 1
@@ -43,6 +43,15 @@ from opentelemetry.trace import Span, SpanKind
 
 from pdserve.cluster import tracing
 from pdserve.cluster.log_once import OncePerCause
+from pdserve.cluster.messages import (
+    Accepted,
+    ChannelHello,
+    ErrorItem,
+    FirstItemExtras,
+    LoadReport,
+    OutputItem,
+    SubmitReply,
+)
 from pdserve.cluster.replica import WorkerReplica, resolve_transfer_host
 from pdserve.decode_worker.channels import Batch, Channel, Channels
 from pdserve.decode_worker.worker import DecodeWorker, choice_index
@@ -110,7 +119,7 @@ class DecodeServer(WorkerReplica):
         """A router connection's token channel (`channels.py`): first a
         `{"type": "channel", "worker_id": ...}` hello, then batches of
         `(request_id, item)` for the requests `submit` started on it."""
-        hello = {"type": "channel", "worker_id": self.worker_id}
+        hello: ChannelHello = {"type": "channel", "worker_id": self.worker_id}
         async for batch in self.channels.serve(channel_id, hello, CHANNEL_IDLE_S):
             yield batch
 
@@ -125,7 +134,7 @@ class DecodeServer(WorkerReplica):
         worker_id: str | None = None,
         target_replica: str | None = None,
         trace: dict[str, str] | None = None,
-    ) -> dict[str, Any]:
+    ) -> SubmitReply:
         """Start a request whose outputs go on channel `channel_id`; return the
         "accepted" item (see the module's docstring), or `{"type": "no_channel"}` when
         that channel is not open on this replica or this is not replica `worker_id`
@@ -184,7 +193,8 @@ class DecodeServer(WorkerReplica):
             pass  # aborted (by the router, or its channel closed): the engine stream ended
         except Exception as exc:  # reaches the router, which resumes it elsewhere
             logger.exception("%s: serving the request failed", request_id)
-            channel.put(request_id, {"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+            error: ErrorItem = {"type": "error", "message": f"{type(exc).__name__}: {exc}"}
+            channel.put(request_id, error)
         finally:
             self._release(request_id, kv_expected)
             channel.tasks.pop(request_id, None)
@@ -198,7 +208,7 @@ class DecodeServer(WorkerReplica):
         target_replica: str | None = None,
         kv_wait_s: float | None = None,
         trace: dict[str, str] | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[Accepted | OutputItem]:
         """One request as a stream of its own: the "accepted" item, then its outputs.
 
         The router uses channels (`submit`); this is the per-request form of the same
@@ -224,7 +234,7 @@ class DecodeServer(WorkerReplica):
         kv_expected: bool,
         kv_wait_s: float | None,
         cache_salt: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> Accepted:
         """Take a request: with `kv_expected` (disaggregated mode) the receiver expects
         its KV from now on, for `kv_wait_s` (the router derives it from its estimate of the
         prefill; at most `kv_wait_timeout_s`, which is also the wait without it), hashed
@@ -259,7 +269,7 @@ class DecodeServer(WorkerReplica):
         kv_expected: bool,
         kv_wait_s: float | None,
         trace: dict[str, str] | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[OutputItem]:
         info: dict[str, Any] = {}
         first = True
         span: Span | None = None
@@ -278,8 +288,8 @@ class DecodeServer(WorkerReplica):
                 },
             )
         started = time.monotonic()
-        first_item: dict[str, Any] = {}
-        last: dict[str, Any] = {}
+        first_item: OutputItem | None = None
+        last: OutputItem | None = None
         first_s = started
         # parallel sampling: every item names its choice ("index"); "finished" says the
         # whole request is (each choice's own end is its "finish_reason")
@@ -293,7 +303,7 @@ class DecodeServer(WorkerReplica):
                     index = choice_index(request_id, out.request_id)
                     if out.finished:
                         running.discard(index)
-                    item.update(index=index, finished=not running)
+                    item["index"], item["finished"] = index, not running
                 if first:
                     item.update(_first_item_extras(out, info, self.config.block_size))
                     if kv_expected and not info.get("kv_used"):
@@ -325,8 +335,8 @@ class DecodeServer(WorkerReplica):
         info: dict[str, Any],
         started: float,
         first_s: float,
-        first_item: dict[str, Any],
-        last: dict[str, Any],
+        first_item: OutputItem | None,
+        last: OutputItem | None,
     ) -> None:
         """A request's stages as children of its span, from the times `_outputs` kept."""
         assert self.tracer is not None
@@ -340,7 +350,7 @@ class DecodeServer(WorkerReplica):
             if info.get("kv_error") is not None:
                 attrs["pdserve.kv.error"] = type(info["kv_error"]).__name__
             tracing.record(self.tracer, "pdserve.kv.receive", span, started, ready, attrs)
-        if first_item:
+        if first_item is not None and last is not None:
             scheduled = min(ready + first_item.get("decode_queue_s", 0.0), first_s)
             if first_item.get("kv_used"):
                 scheduled = first_s  # the imported request's first token is prefill's
@@ -405,13 +415,11 @@ class DecodeServer(WorkerReplica):
     async def index_load(self) -> dict[str, int]:
         return {**await super().index_load(), "pending_transfers": self.worker.receiver.num_pending}
 
-    async def load(self, target_replica: str | None = None) -> dict[str, Any]:
+    async def load(self, target_replica: str | None = None) -> LoadReport:
         load = await super().load(target_replica)
-        return {
-            **load,
-            "pending_transfers": self.worker.receiver.num_pending,
-            "local_prefill_fallbacks": self.worker.num_local_fallbacks,
-        }
+        load["pending_transfers"] = self.worker.receiver.num_pending
+        load["local_prefill_fallbacks"] = self.worker.num_local_fallbacks
+        return load
 
     async def __del__(self) -> None:
         try:
@@ -422,8 +430,8 @@ class DecodeServer(WorkerReplica):
         tracing.flush()
 
 
-def _output_item(out: RequestOutput) -> dict[str, Any]:
-    item: dict[str, Any] = {
+def _output_item(out: RequestOutput) -> OutputItem:
+    item: OutputItem = {
         "type": "output",
         "token_ids": out.new_token_ids,
         "text": out.new_text,
@@ -437,7 +445,9 @@ def _output_item(out: RequestOutput) -> dict[str, Any]:
     return item
 
 
-def _first_item_extras(out: RequestOutput, info: dict[str, Any], block_size: int) -> dict[str, Any]:
+def _first_item_extras(
+    out: RequestOutput, info: dict[str, Any], block_size: int
+) -> FirstItemExtras:
     now = time.monotonic()
     ready = info.get("ready_s", now)
     if info.get("kv_used"):

@@ -27,6 +27,7 @@ from typing import Any
 from opentelemetry.trace import Span, SpanKind
 
 from pdserve.cluster import tracing
+from pdserve.cluster.messages import LoadReport, PrefillReport
 from pdserve.cluster.replica import WorkerReplica
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_sender
@@ -69,7 +70,7 @@ class PrefillServer(WorkerReplica):
         first_block: int = 0,
         target_replica: str | None = None,
         trace: dict[str, str] | None = None,
-    ) -> dict[str, Any]:
+    ) -> PrefillReport:
         """Prefill and push to `decode_address`; returns timings and transfer figures.
 
         `trace`: the router's W3C carrier (tracing on), the parent of this call's spans.
@@ -171,8 +172,10 @@ class PrefillServer(WorkerReplica):
     async def index_load(self) -> dict[str, int]:
         return {**await super().index_load(), **self._rate()}
 
-    async def load(self, target_replica: str | None = None) -> dict[str, Any]:
-        return {**await super().load(target_replica), **self._rate()}
+    async def load(self, target_replica: str | None = None) -> LoadReport:
+        load = await super().load(target_replica)
+        load["prefill_tokens_per_s"] = self._rate()["prefill_tokens_per_s"]
+        return load
 
     async def __del__(self) -> None:
         await self.worker.sender.close()

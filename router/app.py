@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 
 from pdserve.cluster import stop_notice, tracing
 from pdserve.cluster.config import APIKeyDefaults, ClusterConfig
+from pdserve.cluster.messages import ClientItem
 from pdserve.cluster.prefix_index import WorkerInfo
 from pdserve.cluster.scheduling import SchedulingWatch, cluster_asks, read_cluster
 from pdserve.engine.errors import InvalidRequestError
@@ -757,7 +758,7 @@ class Router:
         finally:
             self._release()
 
-    async def _cached(self, r: _Request) -> AsyncIterator[dict[str, Any]] | None:
+    async def _cached(self, r: _Request) -> AsyncIterator[ClientItem] | None:
         """The result cache's stored items for `r` (a hit), else None: no worker needed."""
         result_cache = self.result_caches[r.served.model_id]
         if result_cache is None or r.cache is None:
@@ -770,7 +771,7 @@ class Router:
                 r.span.set_attribute("pdserve.result_cache", "hit")
         return items
 
-    async def _complete(self, r: _Request, items: AsyncIterator[dict[str, Any]]) -> Response:
+    async def _complete(self, r: _Request, items: AsyncIterator[ClientItem]) -> Response:
         endpoint = "completions" if r.kind == "completion" else "chat"
         n = r.params.n  # parallel sampling: each item names its choice ("index")
         token_ids: list[list[int]] = [[] for _ in range(n)]
@@ -830,9 +831,7 @@ class Router:
             message["tool_calls"] = [_call_json(call) for call in calls]
         return message
 
-    async def _stream(
-        self, r: _Request, items: AsyncIterator[dict[str, Any]]
-    ) -> AsyncIterator[str]:
+    async def _stream(self, r: _Request, items: AsyncIterator[ClientItem]) -> AsyncIterator[str]:
         endpoint = "completions" if r.kind == "completion" else "chat"
         obj = "text_completion" if r.kind == "completion" else "chat.completion.chunk"
         base = {"id": r.id, "object": obj, "created": r.created, "model": r.served.model_id}

@@ -22,8 +22,16 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+from pdserve.cluster.messages import (
+    Accepted,
+    ChannelHello,
+    DecodeHandle,
+    OutputItem,
+    StreamItem,
+    SubmitReply,
+)
 from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,7 +52,8 @@ class Connection:
         self.channel_id = channel_id
         self.worker_id = worker_id
         self.stream = stream
-        self.queues: dict[str, asyncio.Queue[Any]] = {}
+        # per request: its items, or the error that ended its channel
+        self.queues: dict[str, asyncio.Queue[StreamItem | BaseException]] = {}
         self.alive = True
         self.accepting = True  # new requests may be submitted on it
         self.reader: asyncio.Task[None] | None = None
@@ -62,7 +71,7 @@ class DecodeChannels:
 
     def __init__(
         self,
-        decode: Any,
+        decode: DecodeHandle,
         open_timeout_s: float,
         live_ids: Callable[[], Awaitable[set[str] | None]] | None = None,
         check_s: float = 1.0,
@@ -136,7 +145,7 @@ class DecodeChannels:
         stream = self.decode.options(stream=True).channel.remote(channel_id, target_replica=target)
         try:
             async with asyncio.timeout(self.open_timeout_s):
-                hello = (await stream.__anext__())[0][1]
+                hello: ChannelHello = (await stream.__anext__())[0][1]
         except BaseException:
             stream.cancel()
             raise
@@ -290,10 +299,12 @@ class ChannelStream:
         if trace is not None:  # tracing on: the W3C carrier of the router's span
             self._kwargs["trace"] = trace
         self._conn: Connection | None = None
-        self._queue: asyncio.Queue[Any] | None = None
+        self._queue: asyncio.Queue[StreamItem | BaseException] | None = None
         self._finished = False
 
-    async def __anext__(self) -> dict[str, Any]:
+    async def __anext__(self) -> Accepted | OutputItem:
+        """The decode worker's `Accepted` first (submitting the request), then the
+        request's output items; its error item or a broken channel raise ChannelError."""
         if self._queue is None:
             return await self._submit()
         item = await self._queue.get()
@@ -304,13 +315,13 @@ class ChannelStream:
         if item.get("finished"):
             self._finished = True
             self._unregister()
-        return dict(item)
+        return cast(OutputItem, dict(item))
 
-    async def _submit(self) -> dict[str, Any]:
+    async def _submit(self) -> Accepted:
         channels, request_id = self._channels, self._request_id
         for _ in range(_SUBMIT_TRIES):
             conn = await channels.connect(self._target)
-            queue: asyncio.Queue[Any] = asyncio.Queue()
+            queue: asyncio.Queue[StreamItem | BaseException] = asyncio.Queue()
             conn.queues[request_id] = queue  # before the submit: no item can be missed
             reply = channels.decode.submit.remote(
                 conn.channel_id,
@@ -321,7 +332,7 @@ class ChannelStream:
                 **self._kwargs,
             )
             try:
-                accepted = dict(await channels.unless_stopped(reply))
+                accepted: SubmitReply = dict(await channels.unless_stopped(reply))  # type: ignore[assignment]
             except asyncio.CancelledError:
                 conn.queues.pop(request_id, None)
                 channels.abort_when_accepted(conn, request_id, reply)
@@ -331,7 +342,7 @@ class ChannelStream:
                 raise
             if accepted.get("type") == "accepted":
                 self._conn, self._queue = conn, queue
-                return accepted
+                return cast(Accepted, accepted)
             # the channel is not open there (it ended idle, or Serve gave the call to
             # another replica): submit on a channel opened now
             conn.queues.pop(request_id, None)

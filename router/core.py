@@ -36,7 +36,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from opentelemetry.trace import Span, SpanKind, Tracer
 from redis.exceptions import RedisError
@@ -44,6 +44,15 @@ from redis.exceptions import RedisError
 from pdserve.cluster import tracing
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.log_once import OncePerCause
+from pdserve.cluster.messages import (
+    Accepted,
+    DecodeHandle,
+    LoadReport,
+    OutputItem,
+    PrefillHandle,
+    PrefillReport,
+    WorkerState,
+)
 from pdserve.cluster.prefix_index import MatchResult, PrefixIndex, WorkerInfo
 from pdserve.engine.hashing import hash_block_chain, hash_namespace
 from pdserve.engine.sampling_params import SamplingParams
@@ -156,8 +165,8 @@ class RouterCore:
     def __init__(
         self,
         config: ClusterConfig,
-        prefill: Any | None,
-        decode: Any,
+        prefill: PrefillHandle | None,
+        decode: DecodeHandle,
         index: PrefixIndex,
         tracer: Tracer | None = None,
         metrics: RouterMetrics | None = None,
@@ -202,23 +211,24 @@ class RouterCore:
         except (RedisError, OSError, TimeoutError):
             return None
 
-    async def worker_states(self, workers: list[WorkerInfo]) -> list[dict[str, Any]]:
+    async def worker_states(self, workers: list[WorkerInfo]) -> list[WorkerState]:
         """Ask each worker for its live state; a worker that does not answer is marked so."""
 
-        async def ask(w: WorkerInfo) -> dict[str, Any]:
+        async def ask(w: WorkerInfo) -> WorkerState:
+            handle: DecodeHandle | PrefillHandle | None
             handle = self.decode if w.role == "decode" else self.prefill
-            base = {"worker_id": w.worker_id, "role": w.role, "address": w.address}
+            base: WorkerState = {"worker_id": w.worker_id, "role": w.role, "address": w.address}
             if handle is None:
                 return {**base, "error": "no handle for this role"}
             try:
-                state = await asyncio.wait_for(
+                state: LoadReport = await asyncio.wait_for(
                     handle.load.remote(target_replica=w.worker_id), _STATE_TIMEOUT_S
                 )
             except Exception as exc:
                 return {**base, "error": repr(exc)}
             # answered_by differs from worker_id when the worker is gone and another
-            # replica of its pool took the call.
-            return {**state, **base, "answered_by": state.get("worker_id")}
+            # replica of its pool took the call; the report's keys, then the index's
+            return cast(WorkerState, {**state, **base, "answered_by": state.get("worker_id")})
 
         # NOTE: one at a time, on purpose. Calls made while serving one HTTP request share
         # its Serve request id, and Ray Serve 2.60's request router indexes requests that
@@ -427,7 +437,7 @@ class RouterCore:
         params: SamplingParams,
         arrival_s: float,
         span: Span | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[OutputItem]:
         """`generate`, with the first attempt placed and admitted before this returns.
 
         `span`: the request's span (tracing on): placement and each attempt are its
@@ -439,11 +449,11 @@ class RouterCore:
         """
         items = self._generate(request_id, prompt_ids, params, arrival_s, True, span)
         try:
-            await anext(items)  # the "placed" marker: admitted, queue reserved
+            await anext(items)  # the "placed" marker (None): admitted, queue reserved
         except BaseException:
             await items.aclose()
             raise
-        return items
+        return cast(AsyncIterator[OutputItem], items)  # outputs only from here on
 
     async def generate(
         self,
@@ -452,7 +462,7 @@ class RouterCore:
         params: SamplingParams,
         arrival_s: float,
         span: Span | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[OutputItem]:
         """Yield the decode worker's output items for one request.
 
         If the decode worker dies mid-stream, stalls longer than `stall_timeout_s`
@@ -469,7 +479,8 @@ class RouterCore:
                 left running on workers.
         """
         async for item in self._generate(request_id, prompt_ids, params, arrival_s, False, span):
-            yield item
+            if item is not None:  # never: no marker unless announced
+                yield item
 
     async def _generate(
         self,
@@ -479,8 +490,8 @@ class RouterCore:
         arrival_s: float,
         announce: bool,
         span: Span | None = None,
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        """`generate`; with `announce`, first a `{"type": "placed"}` item once admitted."""
+    ) -> AsyncGenerator[OutputItem | None, None]:
+        """`generate`; with `announce`, first None once admitted (the "placed" marker)."""
         generated: list[int] = []
         emitted = False  # n > 1: some choice's item went out (then no resume)
         failed: set[str] = set()
@@ -505,7 +516,7 @@ class RouterCore:
                 )
             try:
                 if announce and attempt == 0:
-                    yield {"type": "placed"}
+                    yield None
                 async for item in self._attempt(
                     attempt_id,
                     prompt_ids + generated,
@@ -553,7 +564,7 @@ class RouterCore:
         span: Span | None = None,
         attempt: int = 0,
         cached: CachedTokens | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[OutputItem]:
         """One dual dispatch of a routed attempt; raises _DecodeFailed if D dies.
 
         With the request's `span` (tracing on), the attempt is a `pdserve.dispatch` span
@@ -600,12 +611,12 @@ class RouterCore:
             trace=trace,
         )
         prefill_task: asyncio.Task[None] | None = None
-        report: dict[str, Any] = {}  # the prefill worker's, when its call returns
+        report: dict[str, Any] = {}  # the PrefillReport, when its call returns
         finished = False
         counted = False  # this attempt's local prefill (if any) is counted
         serving = d_target
         try:
-            accepted = await self._next(stream, self.config.first_token_timeout_s, "accepted")
+            accepted = await self._accepted(stream, self.config.first_token_timeout_s)
             serving = accepted.get("worker_id") or d_target
             self._count_placement("decode", d_target, serving)
             if serving != inflight_at:  # Serve gave the call to another replica
@@ -642,7 +653,7 @@ class RouterCore:
                 route.release("prefill")  # no prefill worker is called for it
             timeout, what = self.config.first_token_timeout_s, "first token"
             while not finished:
-                item = await self._next(stream, timeout, what)
+                item = await self._output(stream, timeout, what)
                 if not counted:
                     counted = True
                     route.release("local")  # D prefilled it (if it had to)
@@ -740,7 +751,7 @@ class RouterCore:
         if chosen is not None and served != chosen:
             self.metrics.placement_overrides.labels(role).inc()
 
-    def _learn_local_rate(self, worker_id: str | None, item: dict[str, Any]) -> None:
+    def _learn_local_rate(self, worker_id: str | None, item: OutputItem) -> None:
         """A decode worker's local prefill: how fast it prefills (conditional decisions)."""
         compute_s = item.get("local_prefill_s") or 0.0
         if worker_id is None or item.get("kv_used") or compute_s <= 0:
@@ -760,12 +771,22 @@ class RouterCore:
             reason,
         )
 
-    async def _next(self, stream: Any, timeout_s: float, what: str) -> dict[str, Any]:
+    async def _accepted(self, stream: ChannelStream, timeout_s: float) -> Accepted:
+        """The stream's first item: `ChannelStream` returns it only once accepted."""
+        return cast(Accepted, await self._next(stream, timeout_s, "accepted"))
+
+    async def _output(self, stream: ChannelStream, timeout_s: float, what: str) -> OutputItem:
+        """Every later item (an error item raises in `ChannelStream`)."""
+        return cast(OutputItem, await self._next(stream, timeout_s, what))
+
+    async def _next(
+        self, stream: ChannelStream, timeout_s: float, what: str
+    ) -> Accepted | OutputItem:
         try:
             # asyncio.timeout, not wait_for: wait_for wraps every item's await in a new
             # task, and this runs once per message of every stream
             async with asyncio.timeout(timeout_s):
-                return dict(await stream.__anext__())
+                return await stream.__anext__()
         except TimeoutError as exc:
             why = f"no {what} from the decode worker within {timeout_s:g}s"
             if what == "token":  # it streamed, then stalled: resumable like a failure
@@ -799,11 +820,12 @@ class RouterCore:
         The route's reservation of P's queue ends with the call. `report`: filled with
         the worker's result (its prefix-cache hit: usage's cached tokens).
         """
+        assert self.prefill is not None  # disaggregated mode
         p_target = p.worker_id if p is not None else None
         # the carrier only when tracing: the workers' signatures stay optional
         extra = {} if trace is None else {"trace": trace}
         try:
-            result = await self.prefill.prefill.remote(  # type: ignore[union-attr]
+            result: PrefillReport = await self.prefill.prefill.remote(
                 request_id,
                 prompt_ids,
                 params,
@@ -878,7 +900,7 @@ class RouterCore:
                 worker_id,
             )
 
-    def _record_first(self, item: dict[str, Any], arrival_s: float) -> None:
+    def _record_first(self, item: OutputItem, arrival_s: float) -> None:
         m = self.metrics
         m.ttft.observe(time.monotonic() - arrival_s)
         m.prompt_tokens.labels("decode").inc(item.get("num_prompt_tokens", 0))

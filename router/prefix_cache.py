@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pdserve.cluster.messages import OutputItem
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -52,10 +53,10 @@ class CachedTokens:
 
     def __init__(self, num_prompt_tokens: int) -> None:
         self.num_prompt_tokens = num_prompt_tokens
-        self._first: dict[str, Any] | None = None
+        self._first: OutputItem | None = None
         self._report: dict[str, Any] = {}
 
-    def first_item(self, item: dict[str, Any], report: dict[str, Any]) -> None:
+    def first_item(self, item: OutputItem, report: dict[str, Any]) -> None:
         if self._first is None:
             self._first = item
             self._report = report

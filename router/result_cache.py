@@ -52,12 +52,13 @@ import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.messages import ClientItem
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.speculative import SpeculativeConfig
 from pdserve.router.metrics import ModelMetrics
@@ -326,7 +327,7 @@ class ResultCache:
             return CachePlan(None, False, False)
         return CachePlan(request_key(self.identity, prompt_ids, params, salt), read, write)
 
-    async def replay(self, plan: CachePlan) -> AsyncIterator[dict[str, Any]] | None:
+    async def replay(self, plan: CachePlan) -> AsyncIterator[ClientItem] | None:
         """The stored output items on a hit, as the workers' stream; None on a miss."""
         if plan.key is None or not plan.read:
             return None
@@ -354,8 +355,8 @@ class ResultCache:
         return _replay(items)
 
     async def record(
-        self, plan: CachePlan, items: AsyncIterator[dict[str, Any]]
-    ) -> AsyncGenerator[dict[str, Any], None]:
+        self, plan: CachePlan, items: AsyncIterator[ClientItem]
+    ) -> AsyncGenerator[ClientItem, None]:
         """Pass `items` through; once they end complete, store them (before the end
         reaches the client, so a client that saw the end finds the entry)."""
         kept: list[dict[str, Any]] = []
@@ -363,7 +364,7 @@ class ResultCache:
         try:
             async for item in items:
                 if plan.write:
-                    kept.append({k: item[k] for k in _ITEM_FIELDS if k in item})
+                    kept.append({k: v for k, v in item.items() if k in _ITEM_FIELDS})
                 finish_reason = item.get("finish_reason")
                 yield item
         finally:
@@ -398,6 +399,6 @@ class ResultCache:
         self._unavailable = True
 
 
-async def _replay(items: list[dict[str, Any]]) -> AsyncGenerator[dict[str, Any], None]:
-    for item in items:
-        yield item
+async def _replay(items: list[dict[str, Any]]) -> AsyncGenerator[ClientItem, None]:
+    for item in items:  # stored from ClientItems (_ITEM_FIELDS)
+        yield cast(ClientItem, item)
