@@ -8,139 +8,13 @@ replica's); the cluster tests run the same code through Serve.
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
 
-from pdserve.decode_worker.channels import Batch, Channels
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.channels import ChannelError, ChannelStream, DecodeChannels
-
-TIMEOUT_S = 10.0
-
-
-class FakeDecode:
-    """A decode replica's channel calls; `emit` plays an engine step."""
-
-    def __init__(self, worker_id: str = "d0", idle_s: float = 60.0) -> None:
-        self.worker_id = worker_id
-        self.idle_s = idle_s
-        self.channels = Channels()
-        self.batches_sent: list[Batch] = []
-        self.submitted: list[str] = []
-        self.aborted: list[str] = []
-        self.running: dict[str, asyncio.Queue[dict[str, Any]]] = {}
-
-    async def channel(
-        self, channel_id: str, target_replica: str | None = None
-    ) -> AsyncIterator[Batch]:
-        hello = {"type": "channel", "worker_id": self.worker_id}
-        async for batch in self.channels.serve(channel_id, hello, self.idle_s):
-            if batch[0][0]:  # not the hello
-                self.batches_sent.append(batch)
-            yield batch
-
-    async def submit(
-        self, channel_id: str, request_id: str, *args: Any, worker_id: str | None = None, **kw: Any
-    ) -> dict[str, Any]:
-        channel = self.channels.get(channel_id)
-        if channel is None or (worker_id is not None and worker_id != self.worker_id):
-            return {"type": "no_channel", "worker_id": self.worker_id}
-        self.submitted.append(request_id)
-        items: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.running[request_id] = items
-
-        async def run() -> None:
-            try:
-                while True:
-                    item = await items.get()
-                    channel.put(request_id, item)
-                    if item.get("finished") or item.get("type") == "error":
-                        return
-            finally:
-                channel.tasks.pop(request_id, None)
-                self.running.pop(request_id, None)
-
-        channel.tasks[request_id] = asyncio.create_task(run())
-        return {"type": "accepted", "worker_id": self.worker_id, "kv_expected": False}
-
-    async def abort(self, channel_id: str, request_id: str, **kw: Any) -> bool:
-        self.aborted.append(request_id)
-        channel = self.channels.get(channel_id)
-        task = channel.tasks.get(request_id) if channel is not None else None
-        if task is not None:
-            task.cancel()
-        return task is not None
-
-    def emit(self, request_id: str, token: int, finished: bool = False) -> None:
-        self.running[request_id].put_nowait(
-            {"type": "output", "token_ids": [token], "finished": finished}
-        )
-
-
-class _Stream:
-    """A Serve streaming response over an async generator run in this loop."""
-
-    def __init__(self, agen: AsyncIterator[Any], broken: asyncio.Event) -> None:
-        self._agen = agen
-        self._broken = broken
-        self._pending: asyncio.Future[Any] | None = None
-        self._closing: asyncio.Future[Any] | None = None
-
-    async def __anext__(self) -> Any:
-        nxt = self._pending = asyncio.ensure_future(self._agen.__anext__())
-        broke = asyncio.ensure_future(self._broken.wait())
-        done, _ = await asyncio.wait({nxt, broke}, return_when=asyncio.FIRST_COMPLETED)
-        if nxt in done:
-            broke.cancel()
-            return nxt.result()
-        nxt.cancel()
-        raise ConnectionError("the replica died")
-
-    def cancel(self) -> None:
-        """As Serve cancels the replica's call: the generator stops where it waits."""
-        if self._pending is not None and not self._pending.done():
-            self._pending.cancel()
-        else:
-            self._closing = asyncio.ensure_future(self._agen.aclose())  # type: ignore[attr-defined]
-
-
-class _Call:
-    def __init__(self, handle: FakeHandle, name: str) -> None:
-        self._handle, self._name = handle, name
-
-    def remote(self, *args: Any, target_replica: str | None = None, **kw: Any) -> Any:
-        handle = self._handle
-        replica = handle.route(target_replica)
-        fn = getattr(replica, self._name)
-        if self._name == "channel":
-            handle.opened += 1
-            return _Stream(fn(*args, target_replica=target_replica, **kw), handle.broken)
-        return asyncio.ensure_future(fn(*args, **kw))
-
-
-class FakeHandle:
-    """A decode deployment handle: a call goes to its target replica if that one lives."""
-
-    def __init__(self, *replicas: FakeDecode) -> None:
-        self.replicas = {r.worker_id: r for r in replicas}
-        self.broken = asyncio.Event()
-        self.opened = 0
-        self.spread = 0
-
-    def route(self, target: str | None) -> FakeDecode:
-        if target in self.replicas:
-            return self.replicas[target]
-        self.spread += 1  # no target: Serve spreads calls over the replicas
-        return list(self.replicas.values())[self.spread % len(self.replicas)]
-
-    def options(self, stream: bool = False) -> FakeHandle:
-        return self
-
-    def __getattr__(self, name: str) -> _Call:
-        return _Call(self, name)
+from tests.router.fakes import TIMEOUT_S, FakeDecode, FakeHandle, in_loop
 
 
 def _stream(channels: DecodeChannels, request_id: str, target: str | None = "d0") -> ChannelStream:
@@ -150,16 +24,6 @@ def _stream(channels: DecodeChannels, request_id: str, target: str | None = "d0"
 async def _next(stream: ChannelStream) -> dict[str, Any]:
     async with asyncio.timeout(TIMEOUT_S):
         return await stream.__anext__()
-
-
-def in_loop(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
-    """Run an async test body in a fresh event loop (the suite has no async plugin)."""
-
-    @functools.wraps(test)
-    def run() -> None:
-        asyncio.run(test())
-
-    return run
 
 
 async def _settle() -> None:
