@@ -30,6 +30,7 @@ Python: the worker handles are duck-typed Ray Serve handles.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -478,9 +479,13 @@ class RouterCore:
                 failed, or no first token within `first_token_timeout_s`). Nothing is
                 left running on workers.
         """
-        async for item in self._generate(request_id, prompt_ids, params, arrival_s, False, span):
-            if item is not None:  # never: no marker unless announced
-                yield item
+        # aclosing: a client that closes this stream closes the attempt at once (its
+        # cleanup aborts D and cancels P before aclose returns), not at garbage collection
+        items = self._generate(request_id, prompt_ids, params, arrival_s, False, span)
+        async with contextlib.aclosing(items):
+            async for item in items:
+                if item is not None:  # never: no marker unless announced
+                    yield item
 
     async def _generate(
         self,
@@ -517,7 +522,7 @@ class RouterCore:
             try:
                 if announce and attempt == 0:
                     yield None
-                async for item in self._attempt(
+                outputs = self._attempt(
                     attempt_id,
                     prompt_ids + generated,
                     attempt_params,
@@ -527,13 +532,15 @@ class RouterCore:
                     span=span,
                     attempt=attempt,
                     cached=cached,
-                ):
-                    if params.n == 1:
-                        generated += item["token_ids"]
-                    else:
-                        emitted = True
-                    item["cached_tokens"] = cached.value
-                    yield item
+                )
+                async with contextlib.aclosing(outputs):
+                    async for item in outputs:
+                        if params.n == 1:
+                            generated += item["token_ids"]
+                        else:
+                            emitted = True
+                        item["cached_tokens"] = cached.value
+                        yield item
                 return
             except _DecodeFailed as exc:
                 if self.stopping is not None:  # the cluster stops: nowhere to resume
@@ -564,7 +571,7 @@ class RouterCore:
         span: Span | None = None,
         attempt: int = 0,
         cached: CachedTokens | None = None,
-    ) -> AsyncIterator[OutputItem]:
+    ) -> AsyncGenerator[OutputItem, None]:
         """One dual dispatch of a routed attempt; raises _DecodeFailed if D dies.
 
         With the request's `span` (tracing on), the attempt is a `pdserve.dispatch` span

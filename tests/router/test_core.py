@@ -238,10 +238,9 @@ async def test_a_stream_whose_decode_worker_dies_resumes_on_another() -> None:
 async def test_a_client_that_closes_the_stream_stops_both_workers(entry: str) -> None:
     """Behaviour 4: the consumer closes the stream after the first token while P's call
     is still running: D gets `abort`, P's call is cancelled, nothing stays reserved.
-    Through `start` (the HTTP path) and `generate`. Either way the attempt's own cleanup
-    comes a loop turn after `aclose` returns: `_attempt` is a generator nested in
-    `_generate` that nothing closes explicitly, so the loop's async-generator finalizer
-    closes it once it is dropped."""
+    Through `start` (the HTTP path) and `generate`. The attempt's own cleanup has run
+    when `aclose` returns (the nested generators are closed explicitly, not by the loop's
+    finalizer a turn later, which left P running with its reservation already gone)."""
     c = Cluster("d0", disagg_policy="always")
     d0 = c.decode["d0"]
     c.prefill.hold = asyncio.Event()  # P's prefill never ends by itself
@@ -259,7 +258,8 @@ async def test_a_client_that_closes_the_stream_stops_both_workers(entry: str) ->
         assert c.core.inflight_decode == {"d0": 1}
         async with asyncio.timeout(TIMEOUT_S):
             await items.aclose()  # type: ignore[attr-defined]
-        await eventually("P's call is cancelled", lambda: c.prefill.cancelled == ["r1"])
+        assert c.prefill.cancelled == ["r1"]  # before aclose returned
+        c.assert_nothing_held()
         await eventually("D is told to abort", lambda: d0.aborted == ["r1"])
         await eventually("D's request ends", lambda: not d0.running)
     finally:
