@@ -18,21 +18,20 @@ from typing import Any
 
 import torch
 
-from pdserve.engine import cpu_kernels, kv_quant
+from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
 from pdserve.engine.block_pool import BlockPool, KVEvent, KVEventKind
 from pdserve.engine.config import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
     EngineConfig,
     default_num_threads,
 )
-from pdserve.engine.cuda_graphs import capture_sizes, cuda_graphs_enabled
+from pdserve.engine.cuda_graphs import cuda_graphs_enabled
 from pdserve.engine.demo_model import resolve_model
 from pdserve.engine.draft import DraftProposer
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.hashing import hash_namespace
-from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_handoff import (
     HeadRange,
     KVExport,
@@ -42,17 +41,12 @@ from pdserve.engine.kv_handoff import (
     export_ranges,
     import_prefilled,
 )
-from pdserve.engine.kv_staging import KVStaging, handoff_device_bytes
+from pdserve.engine.kv_pool_sizing import KVPoolSizing
+from pdserve.engine.kv_staging import KVStaging
 from pdserve.engine.linear import Int8Linear
 from pdserve.engine.memory_profile import (
-    CudaMemoryReader,
-    DeviceMemory,
     MemoryProfile,
     MemoryReader,
-    check_share_is_free,
-    measure_step_peak,
-    profile_batches,
-    profile_verify_rows,
 )
 from pdserve.engine.model import LlamaModel, load_model
 from pdserve.engine.model_config import ModelConfig, load_model_config
@@ -86,7 +80,6 @@ from pdserve.kernels import _variants
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB when nothing sizes the pool
 
 
 def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
@@ -213,16 +206,19 @@ class LLMEngine:
         # With neither num_kv_blocks nor kv_cache_memory_gb, a CUDA engine sizes its KV
         # pool from what the loaded model leaves of gpu_memory_utilization.
         self.memory_profile: MemoryProfile | None = None
-        reader = self._kv_memory_reader(memory_reader)
+        self.sizing = KVPoolSizing(
+            config, self.model_config, self.dtype, self.device, self._shard, self.draft_config
+        )
+        reader = self.sizing.reader(memory_reader)
         if tp > 1 and reader is not None:
             raise ValueError(
                 "tensor_parallel_size > 1 sizes the KV pool from num_kv_blocks or"
                 " kv_cache_memory_gb (per rank), not by measuring the device: set one"
             )
-        start = None if reader is None else self._memory_at_start(reader)
-        self.max_model_len = self._context_len()
+        start = None if reader is None else self.sizing.memory_at_start(reader)
+        self.max_model_len = self.sizing.context_len()
         if start is None:  # a configured pool: a too small one fails before the weights load
-            self.max_model_len, self.num_kv_blocks = self._size_kv_pool()
+            self.max_model_len, self.num_kv_blocks = self.sizing.from_config()
         if tp > 1:  # the other ranks load their shards while this one loads its own
             dtype_name = next(k for k, v in _DTYPES.items() if v == self.dtype)
             self.tp_workers = TPWorkers(
@@ -258,7 +254,17 @@ class LLMEngine:
             self.close()
             raise
         if reader is not None and start is not None:
-            self.max_model_len, self.num_kv_blocks = self._measure_kv_pool(reader, start)
+            reserved = self._reserved_after_sizing(self.max_model_len)
+            self.max_model_len, self.num_kv_blocks, profile = self.sizing.measure(
+                reader, start, self.max_model_len, self._profile_runner, reserved
+            )
+            self.memory_profile = profile
+            logger.info(
+                "KV pool sized from the device: %s; the pool takes %d blocks (%.2f GiB)",
+                profile.describe(),
+                self.num_kv_blocks,
+                self.num_kv_blocks * profile.block_bytes / (1 << 30),
+            )
         self.block_pool = BlockPool(
             self.num_kv_blocks, enable_caching=config.enable_prefix_caching, enable_events=True
         )
@@ -344,33 +350,10 @@ class LLMEngine:
             if self.runner.warm_up_kernels(self.max_model_len, config.max_num_batched_tokens):
                 logger.info("warmed up the kernels in %.1f s", time.perf_counter() - start_s)
 
-    def _context_len(self) -> int:
-        """max_model_len, else the model's positions; within any sliding window."""
-        cfg, mc = self.config, self.model_config
-        max_len = cfg.max_model_len or mc.max_position_embeddings
-        if mc.sliding_window is not None and max_len > mc.sliding_window:
-            # NOTE: sliding-window attention is not implemented; within the window full
-            # attention is identical, so the context is capped to it instead.
-            max_len = mc.sliding_window
-        return max_len
-
     @property
     def kv_block_bytes(self) -> int:
         """One KV block's bytes (on each rank: its KV heads' share)."""
-        mc = self.model_config
-        kv_heads = mc.num_kv_heads if self._shard is None else self._shard.num_kv_heads
-        row = kv_quant.row_bytes(self.config.kv_cache_dtype, mc.head_dim, _itemsize(self.dtype))
-        return self.config.block_size * 2 * mc.num_layers * kv_heads * row
-
-    def _pool_block_bytes(self) -> int:
-        """What one block of the pool costs this process: the target's KV block, and with
-        a draft model its KV block too (a second cache of the same number of blocks)."""
-        draft = self.draft_config
-        if draft is None:
-            return self.kv_block_bytes
-        return self.kv_block_bytes + (
-            self.config.block_size * draft.kv_bytes_per_token * _itemsize(self.dtype) // 4
-        )
+        return self.sizing.block_bytes
 
     def _load_draft(self) -> LlamaModel | None:
         """The draft model, loaded like the target (device, dtype, load format, seed and
@@ -408,111 +391,16 @@ class LLMEngine:
             cfg.max_num_batched_tokens,
         )
 
-    def _size_kv_pool(self) -> tuple[int, int]:
-        """(max_model_len, blocks) of a pool sized by the configuration alone."""
-        cfg = self.config
-        max_len, block_bytes = self._context_len(), self._pool_block_bytes()
-        if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        elif cfg.kv_cache_memory_gb is not None:
-            num_blocks = int(cfg.kv_cache_memory_gb * (1 << 30)) // block_bytes
-        else:
-            wanted = cfg.max_num_seqs * cdiv(max_len, cfg.block_size)
-            num_blocks = min(wanted, _DEFAULT_KV_BYTES // block_bytes)
-        return self._fit_context(max_len, num_blocks, "")
-
-    def _fit_context(self, max_len: int, num_blocks: int, why: str) -> tuple[int, int]:
-        """(max_model_len, blocks): the context capped to the pool, unless it was set."""
-        cfg = self.config
-        if num_blocks * cfg.block_size < max_len:
-            if cfg.max_model_len is not None:
-                raise InvalidRequestError(
-                    f"the KV pool ({num_blocks} blocks of {cfg.block_size}{why}) cannot hold "
-                    f"one sequence of max_model_len={max_len} tokens"
-                )
-            max_len = num_blocks * cfg.block_size
-        return max_len, max(num_blocks, 1)
-
-    def _kv_memory_reader(self, given: MemoryReader | None) -> MemoryReader | None:
-        """The reader that sizes the pool, or None when the configuration does."""
-        cfg = self.config
-        if cfg.num_kv_blocks is not None or cfg.kv_cache_memory_gb is not None:
-            return None
-        if given is None and self.device.type == "cuda":
-            return CudaMemoryReader(self.device)
-        return given
-
-    def _utilization(self) -> float:
-        util = self.config.gpu_memory_utilization
-        return DEFAULT_GPU_MEMORY_UTILIZATION if util is None else util
-
-    def _memory_at_start(self, reader: MemoryReader) -> DeviceMemory:
-        start = reader.snapshot()
-        why_not = check_share_is_free(start, self._utilization())
-        if why_not is not None:
-            raise InvalidRequestError(why_not)
-        return start
-
-    def _measure_kv_pool(self, reader: MemoryReader, start: DeviceMemory) -> tuple[int, int]:
-        """(max_model_len, blocks) from the memory the loaded model leaves of the engine's
-        share, measured over its largest step (engine/memory_profile.py)."""
-        cfg, max_len = self.config, self.max_model_len
-        spec = cfg.speculative_config
-        k = 0 if spec is None else spec.num_speculative_tokens
-        rows = profile_verify_rows(cfg.max_num_seqs, cfg.max_num_batched_tokens, k, max_len)
-        peak, scratch_bytes = measure_step_peak(
-            self._profile_runner,
-            reader,
-            profile_batches(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len),
-            cfg.block_size,
-            max_len,
-            self.model_config.vocab_size,
-            verify=(rows, k) if spec is not None else (0, 0),
-        )
-        end = reader.snapshot()  # the profile's tensors are gone: only the model remains
-        self.memory_profile = profile = MemoryProfile(
-            utilization=self._utilization(),
-            total_bytes=start.total_bytes,
-            peak_torch_bytes=peak - start.torch_allocated_bytes - scratch_bytes,
-            non_torch_bytes=max(end.non_torch_bytes - start.non_torch_bytes, 0),
-            block_bytes=self._pool_block_bytes(),
-            step_tokens=cfg.max_num_batched_tokens,
-            reserved_bytes=self._reserved_after_sizing(max_len),
-        )
-        # Never more than the running sequences can use: each block costs the block pool
-        # host memory and start time too (millions for a tiny model on a large GPU).
-        num_blocks = min(profile.num_blocks, cfg.max_num_seqs * cdiv(max_len, cfg.block_size))
-        logger.info(
-            "KV pool sized from the device: %s; the pool takes %d blocks (%.2f GiB)",
-            profile.describe(),
-            num_blocks,
-            num_blocks * profile.block_bytes / (1 << 30),
-        )
-        if num_blocks == 0:
-            raise InvalidRequestError(
-                f"no memory is left for the KV cache: {profile.describe()}; raise "
-                "gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or set "
-                "num_kv_blocks / kv_cache_memory_gb"
-            )
-        why = f" that gpu_memory_utilization={profile.utilization:g} leaves"
-        return self._fit_context(max_len, num_blocks, why)
-
     def _reserved_after_sizing(self, max_len: int) -> int:
-        """Device memory this engine takes once its pool is sized, kept out of the pool:
-        the decode graphs' outputs (each captured size keeps its float32 logits) and a KV
-        handoff's device copies, one export and one import at a time, each at most one
-        chunk of a sequence of `max_len` tokens (engine/kv_staging.py)."""
+        """What this engine takes after its pool is sized (KVPoolSizing's, with whether it
+        will capture decode graphs, which only the engine decides)."""
         cfg = self.config
-        sequence = cdiv(max_len, cfg.block_size) * self._pool_block_bytes()
-        reserved = 2 * handoff_device_bytes(sequence, self.model_config.num_layers)
         backend = make_attention_backend(
             cfg.attention_backend, self.device, self.dtype, cfg.kv_cache_dtype
         )
         tp = cfg.tensor_parallel_size
-        if tp == 1 and cuda_graphs_enabled(cfg.enforce_eager, self.device, backend):
-            rows = sum(capture_sizes(min(cfg.max_cuda_graph_batch_size, cfg.max_num_seqs)))
-            reserved += rows * self.model_config.vocab_size * 4
-        return reserved
+        graphs = tp == 1 and cuda_graphs_enabled(cfg.enforce_eager, self.device, backend)
+        return self.sizing.reserved_after_sizing(max_len, graphs)
 
     def _profile_runner(self, num_blocks: int) -> ModelRunner:
         """A runner like the engine's (below) over a scratch KV cache of `num_blocks`."""
@@ -1036,7 +924,3 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """`device` as the calling thread's current CUDA device for a block (Triton launches
     on the current device, not on its tensors'); nothing off CUDA."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
