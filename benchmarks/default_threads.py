@@ -13,6 +13,9 @@ process, since torch's thread count is per process:
 - `torch.set_num_threads(2)`: `LLM(model)` after the user set torch's count first, as
   one does with any torch program (the engine's default is the usable CPUs either way).
 
+Each figure is the best of REPEATS runs: of the whole batch (prefill included), and of
+its decode once every request has its first token (the batch-32 decode rate).
+
 The line that matters is the ratio of each to the baseline's decode tokens/s, printed
 with the CPU (benchmarks/machine.py). `OMP_NUM_THREADS` is removed from the children's
 environment, so the default is the mask's. Benchmarks live here, never in tests.
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from pdserve.benchmarks.engine_throughput import (
     FULL,
@@ -40,13 +44,12 @@ from pdserve.benchmarks.machine import print_machine
 
 SETTINGS = ("num_threads=1", "default", "torch.set_num_threads(2)")
 CHILD_TIMEOUT_S = 1800
+REPEATS = 3
 
 
 def run_one(model_dir: str, dtype: str, setting: str, quick: bool) -> dict[str, float]:
     """In this (fresh) process: build the engine as `setting` says, warm it, time the
     batch; its tokens/s and the threads it ran on."""
-    import time
-
     import torch
 
     from pdserve.engine import LLM, SamplingParams
@@ -55,7 +58,11 @@ def run_one(model_dir: str, dtype: str, setting: str, quick: bool) -> dict[str, 
     spec = next(s for s in MODELS.values() if s.name == Path(model_dir).name)
     name = f"uniform-b{sizes.big_batch}"  # 32 (--quick: 8)
     (workload,) = [w for w in make_workloads(sizes, spec.vocab_size) if w.name == name]
-    kwargs: dict[str, object] = {"num_kv_blocks": num_kv_blocks_for([workload])}
+    # no prefix caching: each repeat prefills its prompts again
+    kwargs: dict[str, object] = {
+        "num_kv_blocks": num_kv_blocks_for([workload]),
+        "enable_prefix_caching": False,
+    }
     if setting == "num_threads=1":
         kwargs["num_threads"] = 1
     elif setting == "torch.set_num_threads(2)":
@@ -65,11 +72,36 @@ def run_one(model_dir: str, dtype: str, setting: str, quick: bool) -> dict[str, 
         SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens
     ]
     llm.generate(workload.prompts[:2], params[:2])  # warm-up
+    best, best_decode = 0.0, 0.0
+    for repeat in range(REPEATS):  # the best of a few: a shared machine's noise only slows
+        tok_s, decode_tok_s = _timed_batch(llm.engine, workload.prompts, params, repeat)
+        best, best_decode = max(best, tok_s), max(best_decode, decode_tok_s)
+    return {"tok_s": best, "decode_tok_s": best_decode, "threads": float(torch.get_num_threads())}
+
+
+def _timed_batch(
+    engine: Any, prompts: list[list[int]], params: list[Any], repeat: int
+) -> tuple[float, float]:
+    """(tokens/s of the whole batch, tokens/s once every request has its first token:
+    the batch's decode rate)."""
+    import time
+
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"{repeat}-{i}", prompt, p, stream=True)
     start = time.perf_counter()
-    outs = llm.generate(workload.prompts, params)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"tok_s": tokens / elapsed, "threads": float(torch.get_num_threads())}
+    started: set[str] = set()
+    decode_start, total, decoded = 0.0, 0, 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            total += len(out.new_token_ids)
+            if len(started) == len(prompts):
+                decoded += len(out.new_token_ids)
+            elif out.new_token_ids:
+                started.add(out.request_id)
+                if len(started) == len(prompts):
+                    decode_start = time.perf_counter()
+    end = time.perf_counter()
+    return total / (end - start), decoded / (end - decode_start)
 
 
 def main() -> None:
@@ -111,9 +143,15 @@ def main() -> None:
     base = results["num_threads=1"]["tok_s"]
     batch = (QUICK if args.quick else FULL).big_batch
     print(f"\n{model} {args.dtype}, batch-{batch} decode, each setting in a process of its own")
-    print("| LLM(model) | threads | tok/s | vs num_threads=1 |\n|---|---|---|---|")
+    decode_base = results["num_threads=1"]["decode_tok_s"]
+    print("| LLM(model) | threads | tok/s | vs num_threads=1 | decode tok/s | vs num_threads=1 |")
+    print("|---|---|---|---|---|---|")
     for setting, r in results.items():
-        print(f"| {setting} | {r['threads']:.0f} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x |")
+        whole, decode = r["tok_s"], r["decode_tok_s"]
+        print(
+            f"| {setting} | {r['threads']:.0f} | {whole:.1f} | {whole / base:.2f}x"
+            f" | {decode:.1f} | {decode / decode_base:.2f}x |"
+        )
 
 
 if __name__ == "__main__":
