@@ -776,6 +776,22 @@ _TIERS = _TierGuard()
 
 def pytest_configure(config: pytest.Config) -> None:
     _TIERS.install()
+    _terminal_sigint()
+
+
+def _terminal_sigint() -> None:
+    """The commands tests start get SIGINT as a terminal gives it, whatever this process
+    inherited. A background job of a non-interactive shell (`cmd &` in a script, `nohup`,
+    some CI runners) starts with SIGINT ignored, every child inherits that, and Python
+    keeps an inherited SIG_IGN: `serve run` (Ray's CLI, which sets no handler of its
+    own) then ignored the tests' Ctrl-C and never stopped, and nothing was logged after
+    the signal. A Python handler here is reset to the default in every child at exec, so
+    each command starts as it would from a terminal. (`pdserve up` installs handlers of
+    its own and stops either way; docs/failures.md, "Stopping".)"""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
