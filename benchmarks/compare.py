@@ -11,7 +11,9 @@ Redis), runs the workload with `run_benchmark`, stops it, and prints the ratios:
    ratio disagg/colocated.
 2. `shared-prefix` with `--prefill-replicas` (2+) prefill workers: prefix-aware vs
    round-robin vs random placement. Each one's prefill-pool prefix-hit rate against the
-   best possible, and TTFT p50 against round-robin.
+   best possible, and TTFT p50 against round-robin. Every prompt is prefilled by the
+   prefill pool (`--disagg-policy always`), and a run where some were not is an error:
+   the placement under test would not have seen them.
 
 CPUs: the host's CPUs are split in two halves; prefill replicas are pinned to the first,
 decode replicas to the second, and colocated decode replicas to all of them, so every
@@ -245,6 +247,20 @@ def _decisions(scrape: Scrape) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
+def check_all_remote(decisions: dict[str, float], num_requests: int, placement: str) -> None:
+    """A placement run measures the prefill pool only if every prompt went there: raise,
+    naming where the others went (`_decisions`' counts), when some did not."""
+    remote = sum(n for key, n in decisions.items() if key.startswith("remote/"))
+    if remote >= num_requests:
+        return
+    elsewhere = {k: int(n) for k, n in decisions.items() if not k.startswith("remote/")}
+    raise RuntimeError(
+        f"shared-prefix with {placement}: {num_requests - int(remote)} of {num_requests}"
+        f" prompts never reached the prefill workers whose placement this measures"
+        f" (decisions: {elsewhere or 'none counted'}); the hit rate would not be placement's"
+    )
+
+
 def _compare_placements(
     cfg: CompareConfig, common: list[str], p_cpus: str, d_cpus: str
 ) -> dict[str, Any]:
@@ -259,8 +275,12 @@ def _compare_placements(
     placement_results: dict[str, BenchResult] = {}
     best = 0.0
     for placement in ("prefix-aware", "round-robin", "random"):
+        # Every prompt to the prefill pool, whose placement this measures: conditionally,
+        # the decode worker, which is sent and keeps every prefix, would prefill each
+        # repeat itself as a short prompt, and the placement under test would see only
+        # first occurrences (it then measured no better than round-robin).
         flags = [
-            *("--mode", "disagg", "--placement", placement),
+            *("--mode", "disagg", "--placement", placement, "--disagg-policy", "always"),
             *("--prefill-replicas", str(cfg.prefill_replicas), "--decode-replicas", "1"),
             *("--prefill-cpus", p_cpus, "--decode-cpus", d_cpus),
         ]
@@ -268,7 +288,9 @@ def _compare_placements(
         with cluster(cfg.model, [*common, *flags]) as url:
             info = model_info(url)
             best = best_hit_rate(shared, info, cfg.seed, cfg.num_requests, cfg.block_size)
-            placement_results[placement] = _run(url, shared, cfg.shared_rate, cfg, info)
+            result = _run(url, shared, cfg.shared_rate, cfg, info)
+            check_all_remote(_decisions(scrape_metrics(url)), cfg.num_requests, placement)
+            placement_results[placement] = result
     return {
         "rate": cfg.shared_rate,
         "prefill_replicas": cfg.prefill_replicas,
