@@ -1,0 +1,157 @@
+"""A router's in-memory copy of the prefix index's block entries, matched in its memory.
+
+The Redis index (`prefix_index.py`) answers a match with one Lua script whose work grows
+with the number of live workers whatever the prompt, and every router asks Redis for
+every request. This view holds the same entries (which registration, `worker:generation`,
+holds which block) in the router's memory, so a match walks only the prompt's chain and
+the holders of its blocks: time proportional to the chain, not to the fleet.
+
+It is fed the same STORED/REMOVED events the workers publish (`apply`), or a snapshot of
+a registration's whole cache (`store`), and forgets a registration at once when its lease
+lapses or its worker registers again (`drop`). Liveness is not its business: a match is
+given the live workers with their generations (what `PrefixIndex.live_workers` returns,
+which the router refreshes on its own clock), and entries of any other registration never
+count, as in the Lua script. What it returns is what `PrefixIndex.match` returns per live
+worker: how many leading blocks of the chain that worker holds.
+
+Memory: a block is keyed by the first 8 bytes of its hash, as a Python int; two blocks
+whose hashes share 8 bytes (about one pair in 10^12 at 10 million blocks) would only
+make a placement worse, never an answer wrong: the decode worker's receiver checks full
+hashes. Its holders are one registration slot (an int), or a tuple of them when several
+workers hold it. Plain Python: no torch, no Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from pdserve.engine.block_pool import KVEvent, KVEventKind
+from pdserve.engine.hashing import BlockHash
+
+Holders = int | tuple[int, ...]
+
+
+def block_key(block_hash: BlockHash) -> int:
+    """A block's key in the view: its hash's first 8 bytes."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+class IndexView:
+    """Block -> registrations holding it, for one model's index, in memory."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, Holders] = {}
+        self._slot_of: dict[tuple[str, int], int] = {}  # (worker_id, generation) -> slot
+        self._member: dict[int, tuple[str, int]] = {}  # slot -> (worker_id, generation)
+        self._held: dict[int, set[int]] = {}  # slot -> block keys (to drop a registration)
+        self._next_slot = 0
+
+    def __len__(self) -> int:
+        """Blocks held by at least one registration."""
+        return len(self._holders)
+
+    @property
+    def registrations(self) -> list[tuple[str, int]]:
+        """(worker_id, generation) of every registration with entries here."""
+        return sorted(self._member.values())
+
+    def apply(self, worker_id: str, generation: int, events: Sequence[KVEvent]) -> None:
+        """A registration's block-pool events, in order (as `PrefixIndex.publish`)."""
+        for event in events:
+            if event.kind is KVEventKind.STORED:
+                self.store(worker_id, generation, event.block_hashes)
+            else:
+                self.remove(worker_id, generation, event.block_hashes)
+
+    def store(self, worker_id: str, generation: int, hashes: Iterable[BlockHash]) -> None:
+        """The registration holds these blocks (idempotent)."""
+        slot = self._slot(worker_id, generation)
+        held = self._held[slot]
+        for h in hashes:
+            key = block_key(h)
+            if key in held:
+                continue
+            held.add(key)
+            current = self._holders.get(key)
+            if current is None:
+                self._holders[key] = slot
+            elif isinstance(current, int):
+                self._holders[key] = (current, slot)
+            else:
+                self._holders[key] = (*current, slot)
+
+    def remove(self, worker_id: str, generation: int, hashes: Iterable[BlockHash]) -> None:
+        """The registration no longer holds these blocks (idempotent)."""
+        slot = self._slot_of.get((worker_id, generation))
+        if slot is None:
+            return
+        held = self._held[slot]
+        for h in hashes:
+            key = block_key(h)
+            if key in held:
+                held.discard(key)
+                self._unhold(key, slot)
+
+    def drop(self, worker_id: str, generation: int | None = None) -> int:
+        """Forget a registration (its lease lapsed, it deregistered, or its worker
+        registered again), or every registration of `worker_id`; the entries removed."""
+        slots = [
+            slot
+            for (w, g), slot in self._slot_of.items()
+            if w == worker_id and (generation is None or g == generation)
+        ]
+        removed = 0
+        for slot in slots:
+            for key in self._held.pop(slot):
+                self._unhold(key, slot)
+                removed += 1
+            del self._slot_of[self._member.pop(slot)]
+        return removed
+
+    def drop_all_but(self, live: Mapping[str, int]) -> int:
+        """Forget every registration that is not one of `live` (worker_id -> generation):
+        after the router refreshed the live workers. The entries removed."""
+        dead = [m for m in self._member.values() if live.get(m[0]) != m[1]]
+        return sum(self.drop(w, g) for w, g in dead)
+
+    def match(self, block_hashes: Sequence[BlockHash], live: Mapping[str, int]) -> dict[str, int]:
+        """Per live worker (worker_id -> its current generation), the leading blocks of
+        the chain it holds, stopping at its first missing block: `PrefixIndex.match`'s
+        counts, in time proportional to the chain and the holders of its blocks."""
+        counts = dict.fromkeys(live, 0)
+        running: set[int] | None = None  # slots still matching
+        for depth, h in enumerate(block_hashes):
+            holders = self._holders.get(block_key(h))
+            if holders is None:
+                break
+            slots = (holders,) if isinstance(holders, int) else holders
+            if running is None:  # the first block: its live holders start
+                running = set()
+                for slot in slots:
+                    worker_id, generation = self._member[slot]
+                    if live.get(worker_id) == generation:
+                        running.add(slot)
+            else:
+                running.intersection_update(slots)
+            if not running:
+                break
+            for slot in running:
+                counts[self._member[slot][0]] = depth + 1
+        return counts
+
+    def _slot(self, worker_id: str, generation: int) -> int:
+        slot = self._slot_of.get((worker_id, generation))
+        if slot is None:
+            slot = self._slot_of[(worker_id, generation)] = self._next_slot
+            self._next_slot += 1
+            self._member[slot] = (worker_id, generation)
+            self._held[slot] = set()
+        return slot
+
+    def _unhold(self, key: int, slot: int) -> None:
+        current = self._holders[key]
+        if isinstance(current, int):
+            del self._holders[key]
+            return
+        rest = tuple(s for s in current if s != slot)
+        self._holders[key] = rest[0] if len(rest) == 1 else rest
