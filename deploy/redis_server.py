@@ -33,6 +33,8 @@ def wait_for_line(
 
     Reads the raw file descriptor: a buffered `readline()` after a select() misses a
     line that arrived in the same chunk as the one before it, and then waits forever.
+    Lines after the one returned that came in the same chunk are dropped: to wait for
+    two lines, wait for the later one with a `log` and find the earlier one there.
 
     Raises:
         TimeoutError: no such line in time. EOFError: the child closed its output.
