@@ -75,6 +75,7 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from pdserve.benchmarks.machine import print_machine
 from pdserve.cluster.config import PlacementWeights
+from pdserve.cluster.index_follower import IndexFollower
 from pdserve.cluster.prefix_index import MatchResult, PrefixIndex, WorkerInfo
 from pdserve.deploy.redis_server import EmbeddedRedis
 from pdserve.engine.block_pool import KVEvent, KVEventKind
@@ -98,6 +99,8 @@ REDIS_TIMEOUT_S = 120.0  # a loaded client can take seconds to read a reply; nev
 IN_FLIGHT = 64  # placements (and PINGs) at once; more due are skipped and counted
 FLEET_IN_FLIGHT = 256  # heartbeats (and churn publishes) at once, all workers together
 GIB = 1 << 30
+SNAPSHOT_TIMEOUT_S = 600.0
+VIEW_PLACEMENTS = 2000
 
 
 @dataclass
@@ -135,6 +138,19 @@ class Size:
     redis_cpu: float  # cores Redis used in the churn phase (INFO cpu)
     client_cpu: float  # cores this process used then
     load_avg: float  # the machine's 1-minute load average at its end
+    # the router's in-memory view (cluster/index_follower.py), same placements, same time
+    view_snapshot_s: float = 0.0  # a router started now: its snapshot of the whole index
+    view_bytes_per_block: float = 0.0  # the view's memory (IndexView.approx_bytes)
+    view_match_p50_ms: float = 0.0
+    view_match_p99_ms: float = 0.0
+    view_place_p50_ms: float = 0.0
+    view_place_p99_ms: float = 0.0
+    view_agree: float = 0.0  # placements whose view match equalled the Lua match
+    view_lag_p50_ms: float = 0.0  # a KV event's age when the view applied it
+    view_lag_p99_ms: float = 0.0
+    view_lag_events: int = 0
+    view_places_per_cpu_s: float = 0.0  # idle, one at a time: per second of this CPU
+    view_sources: dict[str, int] = field(default_factory=dict)  # match source -> count
     found: dict[str, float] = field(default_factory=dict)  # kind -> fraction as expected
     counts: dict[str, int] = field(default_factory=dict)  # kind -> placements
     skipped: dict[str, int] = field(default_factory=dict)  # due while IN_FLIGHT ran
@@ -387,19 +403,34 @@ async def measure_size(
     load_s = time.perf_counter() - t0
     memory = (await info(client, "memory"))["used_memory"]
     blocks = fleet.blocks()
-    other_keys = (
-        2 * fleet.num_workers + 3
-    )  # worker and held keys; workers, registrations, generation
+    # worker and held keys; workers, registrations, generation; events, events_seq, epoch
+    stream_keys = [index.key(k) for k in ("events", "events_seq", "epoch")]
+    other_keys = 2 * fleet.num_workers + 3 + int(await client.exists(*stream_keys))
     block_keys = int(await client.dbsize()) - other_keys if args.redis_url is None else blocks
     async with client.pipeline(transaction=False) as pipe:
         for w in range(fleet.num_workers):
             pipe.scard(index.key(f"held:{fleet.ids[w]}:{fleet.generations[w]}"))
         entries = sum(await pipe.execute())
 
+    # a router that starts now: its snapshot, then it follows the churn below
+    follower = None
+    snapshot_s = view_bytes = 0.0
+    if index.stream_len:
+        t = time.perf_counter()
+        refresh_s = args.heartbeat_s or 1.0
+        follower = IndexFollower(PrefixIndex(client, index.model_id, LEASE_S), refresh_s)
+        await follower.wait_caught_up(SNAPSHOT_TIMEOUT_S)
+        snapshot_s = time.perf_counter() - t
+        assert follower.view is not None
+        view_bytes = follower.view.approx_bytes()
+
     # 2. churn, heartbeats, placements and PINGs at once
     placer = Placer("prefix-aware", PlacementWeights(), BLOCK_SIZE, random.Random(args.seed))
     match_ms: list[float] = []
     place_ms: list[float] = []
+    view_match_ms: list[float] = []
+    view_place_ms: list[float] = []
+    agree: list[bool] = []
     ping_ms: list[float] = []
     found: dict[str, list[bool]] = {k: [] for k, _ in QUERY_KINDS}
     chain_blocks: list[int] = []
@@ -410,14 +441,19 @@ async def measure_size(
         t = time.perf_counter()
         matches = await index.match(chain)
         t_match = time.perf_counter()
-        by_role: dict[str, dict[str, MatchResult]] = {"prefill": {}, "decode": {}}
-        for worker_id, m in matches.items():
-            by_role[m.worker.role][worker_id] = m
-        placer.choose_decode(by_role["decode"], {})
-        placer.choose_prefill(by_role["prefill"], len(chain) * BLOCK_SIZE, {})
+        choose(placer, matches, len(chain))
         t_place = time.perf_counter()
         match_ms.append((t_match - t) * 1e3)
         place_ms.append((t_place - t) * 1e3)
+        if follower is not None:
+            t = time.perf_counter()
+            in_memory = await follower.match(chain)
+            t_match = time.perf_counter()
+            choose(placer, in_memory, len(chain))
+            t_place = time.perf_counter()
+            view_match_ms.append((t_match - t) * 1e3)
+            view_place_ms.append((t_place - t) * 1e3)
+            agree.append(_counts(in_memory) == _counts(matches))
         chain_blocks.append(len(chain))
         best = max((m.matched_blocks for m in matches.values()), default=0)
         if worker is not None:
@@ -450,6 +486,9 @@ async def measure_size(
     redis_cpu0 = await redis_cpu_s(client)
     cpu0 = time.process_time()
     t0 = time.perf_counter()
+    if follower is not None:
+        follower.lags_s.clear()
+        follower.matches.clear()
     runs = [churns.run(churn, args.duration), places.run(place, args.duration)]
     runs.append(pings.run(ping, args.duration))
     if beats.rate > 0:
@@ -467,8 +506,29 @@ async def measure_size(
         client, index, lambda: fleet.prompts[0] + fleet.fresh(length - len(fleet.prompts[0]))
     )
 
+    view: dict[str, Any] = {}
+    if follower is not None:
+        lags = [lag * 1e3 for lag in follower.lags_s]
+        sources = dict(follower.matches)
+        view = {
+            "view_snapshot_s": snapshot_s,
+            "view_bytes_per_block": view_bytes / max(blocks, 1),
+            "view_match_p50_ms": pct(view_match_ms, 50),
+            "view_match_p99_ms": pct(view_match_ms, 99),
+            "view_place_p50_ms": pct(view_place_ms, 50),
+            "view_place_p99_ms": pct(view_place_ms, 99),
+            "view_agree": sum(agree) / max(len(agree), 1),
+            "view_lag_p50_ms": pct(lags, 50),
+            "view_lag_p99_ms": pct(lags, 99),
+            "view_lag_events": len(lags),
+            "view_places_per_cpu_s": await view_throughput(fleet, follower, placer),
+            "view_sources": sources,
+        }
+        await follower.close()
+
     grown = memory - empty_memory
     return Size(
+        **view,
         target_blocks=target,
         blocks=blocks,
         block_keys=block_keys,
@@ -504,6 +564,29 @@ async def measure_size(
         found={k: (sum(v) / len(v) if v else float("nan")) for k, v in found.items()},
         counts={k: len(v) for k, v in found.items()},
     )
+
+
+def choose(placer: Placer, matches: dict[str, MatchResult], chain_blocks: int) -> None:
+    """What `router/core.py` does with a match: a decode and a prefill worker."""
+    by_role: dict[str, dict[str, MatchResult]] = {"prefill": {}, "decode": {}}
+    for worker_id, m in matches.items():
+        by_role[m.worker.role][worker_id] = m
+    placer.choose_decode(by_role["decode"], {})
+    placer.choose_prefill(by_role["prefill"], chain_blocks * BLOCK_SIZE, {})
+
+
+def _counts(matches: dict[str, MatchResult]) -> dict[str, tuple[int, int]]:
+    return {w: (m.worker.generation, m.matched_blocks) for w, m in matches.items()}
+
+
+async def view_throughput(fleet: Fleet, follower: IndexFollower, placer: Placer) -> float:
+    """Placements from the view, one after another with nothing else running: how many
+    one second of this process's CPU makes (a router core's ceiling)."""
+    chains = [fleet.query()[1] for _ in range(VIEW_PLACEMENTS)]
+    cpu0 = time.process_time()
+    for chain in chains:
+        choose(placer, await follower.match(chain), len(chain))
+    return len(chains) / max(time.process_time() - cpu0, 1e-9)
 
 
 def print_size(s: Size, args: argparse.Namespace, num_workers: int) -> None:
@@ -582,6 +665,42 @@ def print_size(s: Size, args: argparse.Namespace, num_workers: int) -> None:
             f"same, its first {s.idle_hit_blocks} blocks on all {num_workers:,} workers",
         ),
     ]
+    if s.view_lag_events or s.view_snapshot_s:
+        rows += [
+            (
+                "view: snapshot (s)",
+                f"{s.view_snapshot_s:.1f}",
+                "a router started now: stream position, live workers, every held set",
+            ),
+            (
+                "view: memory per block",
+                f"{s.view_bytes_per_block:,.0f} B",
+                "the router's IndexView (entries, holders, per-registration sets)",
+            ),
+            (
+                "view: match p50 / p99 (ms)",
+                f"{s.view_match_p50_ms:.3f} / {s.view_match_p99_ms:.3f}",
+                f"same chains as the Lua match above, same time; {100 * s.view_agree:.1f}%"
+                " of answers equal to it",
+            ),
+            (
+                "view: placement p50 / p99 (ms)",
+                f"{s.view_place_p50_ms:.3f} / {s.view_place_p99_ms:.3f}",
+                "match + choose_decode + choose_prefill",
+            ),
+            (
+                "view: placements per CPU second",
+                f"{s.view_places_per_cpu_s:,.0f}",
+                f"idle, {VIEW_PLACEMENTS:,} one at a time; Redis time per placement: 0"
+                f" (Lua: {s.idle_hit_server_ms:.2f} ms)",
+            ),
+            (
+                "view: event lag p50 / p99 (ms)",
+                f"{s.view_lag_p50_ms:.1f} / {s.view_lag_p99_ms:.1f}",
+                f"{s.view_lag_events:,} stream entries during the churn; matches by source"
+                f" {s.view_sources}",
+            ),
+        ]
     for kind, _ in QUERY_KINDS:
         what = {
             "popular": "best worker holds the prompt's prefix",
@@ -600,14 +719,20 @@ def print_size(s: Size, args: argparse.Namespace, num_workers: int) -> None:
 
 
 def print_summary(sizes: list[Size]) -> None:
-    print("\n## summary")
-    columns = ["blocks", "entries", "events/s", "B/block", "match p50", "match p99", "PING p50"]
-    print("| " + " | ".join([*columns, "placements/s"]) + " |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n## summary: the Lua match (Redis) and the router's in-memory view, same run")
+    columns = ["blocks", "entries", "events/s", "B/block", "Lua match p50 / p99"]
+    columns += ["view match p50 / p99", "view places/CPU-s", "event lag p50 / p99"]
+    columns += ["view B/block", "PING p50", "placements/s"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for s in sizes:
         print(
             f"| {s.blocks:,} | {s.entries:,} | {s.events_per_s:,.0f} | {s.bytes_per_block:,.0f} | "
-            f"{s.match_p50_ms:.2f} ms | {s.match_p99_ms:.2f} ms | {s.ping_p50_ms:.3f} ms | "
+            f"{s.match_p50_ms:.2f} / {s.match_p99_ms:.2f} ms | "
+            f"{s.view_match_p50_ms:.3f} / {s.view_match_p99_ms:.3f} ms | "
+            f"{s.view_places_per_cpu_s:,.0f} | "
+            f"{s.view_lag_p50_ms:.1f} / {s.view_lag_p99_ms:.1f} ms | "
+            f"{s.view_bytes_per_block:,.0f} | {s.ping_p50_ms:.3f} ms | "
             f"{s.placements_per_s:,.1f} |"
         )
 
@@ -627,7 +752,7 @@ async def run(args: argparse.Namespace, url: str) -> list[Size]:
     )
     client = aioredis.Redis(connection_pool=pool)
     model_id = "index-scale" if args.redis_url is None else f"index-scale-{uuid.uuid4().hex[:8]}"
-    index = PrefixIndex(client, model_id, LEASE_S)
+    index = PrefixIndex(client, model_id, LEASE_S, stream_len=args.stream_len)
     fleet = Fleet(index, args.workers, args.prompts, args.seed)
     server = await info(client, "server")
     empty_memory = (await info(client, "memory"))["used_memory"]
@@ -699,6 +824,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--concurrency", type=int, default=8, help="publish calls in flight in the load"
+    )
+    parser.add_argument(
+        "--stream-len",
+        type=int,
+        default=10_000,
+        help="the events stream's length; 0: no stream, no in-memory view (Lua only)",
     )
     parser.add_argument("--max-memory-gib", type=float, default=8.0)
     parser.add_argument("--redis-url", default=None, help="an existing Redis instead of our own")

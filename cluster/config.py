@@ -45,6 +45,7 @@ from pdserve.cluster.settings import (  # re-exported: the configuration's own n
     Placement,
     PlacementWeights,
     PoolAutoscaling,
+    RouterIndex,
     ToolCallParserName,
     Transport,
     app_slug,
@@ -155,6 +156,21 @@ class ClusterConfig(BaseModel):
     weights: PlacementWeights = Field(
         default_factory=PlacementWeights,
         description=("placement's cost weights (router/placement.py), as JSON"),
+    )
+    router_index: RouterIndex = Field(
+        default="memory",
+        description=(
+            "where a router matches prompts against the prefix index: memory (its own"
+            " view, fed by the workers' events in Redis) or redis (a script per request)"
+        ),
+    )
+    index_stream_len: int = Field(
+        default=10_000,
+        ge=100,
+        le=10_000_000,
+        description=(
+            "entries the index's events stream keeps; a router further behind takes a new snapshot"
+        ),
     )
     # Where a prompt is prefilled in disagg mode (router/disagg.py, docs/architecture.md
     # "Conditional disaggregation and admission"): "always" on a prefill worker;
@@ -699,6 +715,11 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         return self.prefill_tp if role == "prefill" else self.decode_tp
 
+    def index_events_len(self) -> int:
+        """The events stream's length the workers write: 0 (none) unless the routers
+        keep the index in memory (`router_index`)."""
+        return self.index_stream_len if self.router_index == "memory" else 0
+
     def threads(self, role: str) -> int:
         """Torch threads of each replica (and rank) of the `role` pool: `num_threads`, else
         the CPUs the replica is given (its pinned set, else its Ray CPUs)."""
@@ -930,6 +951,7 @@ __all__ = [
     "Placement",
     "PlacementWeights",
     "PoolAutoscaling",
+    "RouterIndex",
     "ToolCallParserName",
     "Transport",
     "app_slug",

@@ -23,6 +23,7 @@ workers hold it. Plain Python: no torch, no Redis.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 
 from pdserve.engine.block_pool import KVEvent, KVEventKind
@@ -34,6 +35,11 @@ Holders = int | tuple[int, ...]
 def block_key(block_hash: BlockHash) -> int:
     """A block's key in the view: its hash's first 8 bytes."""
     return int.from_bytes(block_hash[:8], "little")
+
+
+def hex_key(hash_hex: str) -> int:
+    """`block_key` of a hash given in hex (at least its first 16 digits)."""
+    return int.from_bytes(bytes.fromhex(hash_hex[:16]), "little")
 
 
 class IndexView:
@@ -65,32 +71,53 @@ class IndexView:
 
     def store(self, worker_id: str, generation: int, hashes: Iterable[BlockHash]) -> None:
         """The registration holds these blocks (idempotent)."""
-        slot = self._slot(worker_id, generation)
-        held = self._held[slot]
-        for h in hashes:
-            key = block_key(h)
-            if key in held:
-                continue
-            held.add(key)
-            current = self._holders.get(key)
-            if current is None:
-                self._holders[key] = slot
-            elif isinstance(current, int):
-                self._holders[key] = (current, slot)
-            else:
-                self._holders[key] = (*current, slot)
+        self.store_keys(worker_id, generation, (block_key(h) for h in hashes))
 
     def remove(self, worker_id: str, generation: int, hashes: Iterable[BlockHash]) -> None:
         """The registration no longer holds these blocks (idempotent)."""
+        self.remove_keys(worker_id, generation, (block_key(h) for h in hashes))
+
+    def apply_ops(self, worker_id: str, generation: int, ops: str) -> None:
+        """A registration's ops as the index's events stream carries them: per op '+' or
+        '-' and a block's key in 16 hex digits (`prefix_index.OP_LEN` characters)."""
+        slot = self._slot(worker_id, generation)
+        for i in range(0, len(ops), 17):
+            key = hex_key(ops[i + 1 : i + 17])
+            if ops[i] == "+":
+                self._hold(slot, key)
+            elif key in self._held[slot]:
+                self._held[slot].discard(key)
+                self._unhold(key, slot)
+
+    def store_keys(self, worker_id: str, generation: int, keys: Iterable[int]) -> None:
+        """`store`, by block keys (`block_key`)."""
+        slot = self._slot(worker_id, generation)
+        for key in keys:
+            self._hold(slot, key)
+
+    def remove_keys(self, worker_id: str, generation: int, keys: Iterable[int]) -> None:
+        """`remove`, by block keys."""
         slot = self._slot_of.get((worker_id, generation))
         if slot is None:
             return
         held = self._held[slot]
-        for h in hashes:
-            key = block_key(h)
+        for key in keys:
             if key in held:
                 held.discard(key)
                 self._unhold(key, slot)
+
+    def _hold(self, slot: int, key: int) -> None:
+        held = self._held[slot]
+        if key in held:
+            return
+        held.add(key)
+        current = self._holders.get(key)
+        if current is None:
+            self._holders[key] = slot
+        elif isinstance(current, int):
+            self._holders[key] = (current, slot)
+        else:
+            self._holders[key] = (*current, slot)
 
     def drop(self, worker_id: str, generation: int | None = None) -> int:
         """Forget a registration (its lease lapsed, it deregistered, or its worker
@@ -108,11 +135,27 @@ class IndexView:
             del self._slot_of[self._member.pop(slot)]
         return removed
 
+    def drop_older(self, worker_id: str, generation: int) -> int:
+        """Forget `worker_id`'s registrations other than `generation` (it registered
+        again); the entries removed."""
+        older = [g for w, g in self._member.values() if w == worker_id and g != generation]
+        return sum(self.drop(worker_id, g) for g in older)
+
     def drop_all_but(self, live: Mapping[str, int]) -> int:
         """Forget every registration that is not one of `live` (worker_id -> generation):
         after the router refreshed the live workers. The entries removed."""
         dead = [m for m in self._member.values() if live.get(m[0]) != m[1]]
         return sum(self.drop(w, g) for w, g in dead)
+
+    def approx_bytes(self) -> int:
+        """The view's memory, by `sys.getsizeof` of its containers and what they hold
+        (ints shared by CPython's small-int cache are counted too: an upper bound)."""
+        size = sys.getsizeof(self._holders) + sys.getsizeof(self._held)
+        for key, holders in self._holders.items():
+            size += sys.getsizeof(key) + sys.getsizeof(holders)
+        for held in self._held.values():
+            size += sys.getsizeof(held)  # its keys are the entries' keys, counted above
+        return size
 
     def match(self, block_hashes: Sequence[BlockHash], live: Mapping[str, int]) -> dict[str, int]:
         """Per live worker (worker_id -> its current generation), the leading blocks of

@@ -14,6 +14,15 @@ Redis schema, every key prefixed ``pdserve:{model_id}:``:
     registrations             SET  "{worker_id}:{generation}" not yet reaped
     held:{worker_id}:{gen}    SET  hash_hex the registration published (the reverse index
                                    that lets reap() find its block entries without SCAN)
+    events                    STREAM what changed, for routers that keep the index in memory
+                                   (`index_follower.py`): one entry per register, publish or
+                                   deregister, fields n (sequence), k (kind), m (member),
+                                   o (ops); trimmed to about `stream_len` entries (none
+                                   written when it is 0)
+    events_seq                STRING the last entry's n: a router that sees n jump knows it
+                                   missed entries (trimmed, or Redis restarted)
+    epoch                     STRING a random id set by the first router that follows the
+                                   index: gone or changed, Redis was restarted or emptied
 
 Leases and generations: register() takes a fresh generation from one model-wide counter
 (monotonic, so an id is never reused, and no per-worker counter outlives its worker) and
@@ -41,6 +50,7 @@ primary), as docs/prefix-index.md says; Redis Cluster would need hash tags.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -56,17 +66,23 @@ __all__ = [
     "MatchResult",
     "PrefixIndex",
     "ReapResult",
+    "StreamEvent",
     "WorkerInfo",
+    "split_member",
 ]
 
 ROLES = ("prefill", "decode")
+OP_LEN = 17
+"""An op in a stream entry: '+' (stored) or '-' (removed), then the block's first 8 hash
+bytes in hex, which is all a router's in-memory view keys a block by."""
 _RESERVED_FIELDS = frozenset({"role", "address", "generation", "kv_format"})
 _REAP_BATCH = 512
 
-# KEYS: generation counter, workers set, registrations set, worker key.
-# ARGV: worker_id, lease_ms, kv_format, worker key prefix, field, value, ... (role, address,
-# kv_format, load). Returns the generation, or {other worker id, its kv_format} when a live
-# worker (other than this id) registered another non-empty format.
+# KEYS: generation counter, workers set, registrations set, worker key, events stream,
+# events sequence.
+# ARGV: worker_id, lease_ms, kv_format, worker key prefix, stream length, field, value, ...
+# (role, address, kv_format, load). Returns the generation, or {other worker id, its
+# kv_format} when a live worker (other than this id) registered another non-empty format.
 _REGISTER_LUA = """
 if ARGV[3] ~= '' then
   for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
@@ -78,10 +94,15 @@ if ARGV[3] ~= '' then
 end
 local gen = redis.call('INCR', KEYS[1])
 redis.call('DEL', KEYS[4])
-redis.call('HSET', KEYS[4], 'generation', gen, unpack(ARGV, 5))
+redis.call('HSET', KEYS[4], 'generation', gen, unpack(ARGV, 6))
 redis.call('PEXPIRE', KEYS[4], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[1] .. ':' .. gen)
+if ARGV[5] ~= '0' then
+  local n = redis.call('INCR', KEYS[6])
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*',
+             'n', n, 'k', 'r', 'm', ARGV[1] .. ':' .. gen)
+end
 return gen
 """
 
@@ -93,12 +114,13 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS: worker key, held set, block key per op. ARGV: generation, member, then per op
-# '+' (stored) or '-' (removed) and the block's hash_hex. Ops apply in order.
+# KEYS: worker key, held set, events stream, events sequence, block key per op.
+# ARGV: generation, member, stream length, the ops as the stream carries them (`_ops`),
+# then per op '+' (stored) or '-' (removed) and the block's hash_hex. Ops apply in order.
 _PUBLISH_LUA = """
 if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return 0 end
-for j = 3, #KEYS do
-  local op, hex = ARGV[2 * j - 3], ARGV[2 * j - 2]
+for j = 5, #KEYS do
+  local op, hex = ARGV[2 * j - 5], ARGV[2 * j - 4]
   if op == '+' then
     redis.call('SADD', KEYS[j], ARGV[2])
     redis.call('SADD', KEYS[2], hex)
@@ -107,14 +129,26 @@ for j = 3, #KEYS do
     redis.call('SREM', KEYS[2], hex)
   end
 end
+if ARGV[3] ~= '0' and ARGV[4] ~= '' then
+  local n = redis.call('INCR', KEYS[4])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*',
+             'n', n, 'k', 'p', 'm', ARGV[2], 'o', ARGV[4])
+end
 return 1
 """
 
-# KEYS: worker key, workers set. ARGV: worker_id, generation or ''.
+# KEYS: worker key, workers set, events stream, events sequence.
+# ARGV: worker_id, generation or '', stream length.
 _DEREGISTER_LUA = """
-if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'generation') ~= ARGV[2] then return 0 end
+local gen = redis.call('HGET', KEYS[1], 'generation')
+if ARGV[2] ~= '' and gen ~= ARGV[2] then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], ARGV[1])
+if gen and ARGV[3] ~= '0' then
+  local n = redis.call('INCR', KEYS[4])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*',
+             'n', n, 'k', 'd', 'm', ARGV[1] .. ':' .. gen)
+end
 return 1
 """
 
@@ -158,6 +192,24 @@ end
 local out = {}
 for _, id in ipairs(wanted) do out[#out + 1] = {id, counts[id], fields_of[id]} end
 return out
+"""
+
+
+# KEYS: workers set, epoch key. ARGV: worker key prefix, an epoch to set if none is.
+# Returns {epoch, {worker_id, lease ms left, {field, value, ...}} per live worker}.
+_LIVE_LUA = """
+redis.call('SET', KEYS[2], ARGV[2], 'NX')
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local key = ARGV[1] .. id
+  local fields = redis.call('HGETALL', key)
+  if #fields == 0 then
+    redis.call('SREM', KEYS[1], id)  -- lease expired
+  else
+    out[#out + 1] = {id, redis.call('PTTL', key), fields}
+  end
+end
+return {redis.call('GET', KEYS[2]), out}
 """
 
 
@@ -205,25 +257,38 @@ class PrefixIndex:
         redis_client: A redis.asyncio client (decode_responses either way).
         model_id: The model's id; indexes of different models never mix.
         lease_s: How long a registration lives without a heartbeat.
+        stream_len: About how many entries the events stream keeps (a router further
+            behind than that takes a new snapshot); 0 writes no stream, for clusters whose
+            routers match in Redis (`ClusterConfig.router_index`).
 
     Raises:
-        ValueError: model_id is empty or lease_s is under 1 ms.
+        ValueError: model_id is empty, lease_s is under 1 ms or stream_len negative.
     """
 
-    def __init__(self, redis_client: aioredis.Redis, model_id: str, lease_s: float = 10.0):
+    def __init__(
+        self,
+        redis_client: aioredis.Redis,
+        model_id: str,
+        lease_s: float = 10.0,
+        stream_len: int = 0,
+    ):
         if not model_id:
             raise ValueError("model_id must be non-empty")
         if lease_s < 0.001:
             raise ValueError(f"lease_s must be >= 0.001, got {lease_s}")
+        if stream_len < 0:
+            raise ValueError(f"stream_len must be >= 0, got {stream_len}")
         self._redis = redis_client
         self.model_id = model_id
         self.lease_ms = int(lease_s * 1000)
+        self.stream_len = stream_len
         self._prefix = f"pdserve:{model_id}:"
         self._register = redis_client.register_script(_REGISTER_LUA)
         self._heartbeat = redis_client.register_script(_HEARTBEAT_LUA)
         self._publish = redis_client.register_script(_PUBLISH_LUA)
         self._deregister = redis_client.register_script(_DEREGISTER_LUA)
         self._match = redis_client.register_script(_MATCH_LUA)
+        self._live = redis_client.register_script(_LIVE_LUA)
 
     def key(self, suffix: str) -> str:
         """Returns the full Redis key for a schema suffix, e.g. key("workers")."""
@@ -250,9 +315,10 @@ class PrefixIndex:
         fields: list[str | int] = ["role", worker.role, "address", worker.address]
         fields += ["kv_format", worker.kv_format, *_load_args(worker.load)]
         keys = [self.key(s) for s in ("generation", "workers", "registrations")]
-        keys.append(self._worker_key(worker.worker_id))
+        keys += [self._worker_key(worker.worker_id), *self._stream_keys()]
         args: list[str | int] = [worker.worker_id, self.lease_ms, worker.kv_format]
-        result = await self._register(keys, [*args, self.key("worker:"), *fields])
+        args += [self.key("worker:"), self.stream_len]
+        result = await self._register(keys, [*args, *fields])
         if isinstance(result, list):
             other, other_format = (_text(v) for v in result)
             raise KVFormatMismatchError(
@@ -287,12 +353,17 @@ class PrefixIndex:
             and republish).
         """
         keys = [self._worker_key(worker_id), self._held_key(worker_id, generation)]
-        args: list[str | int] = [generation, f"{worker_id}:{generation}"]
+        keys += self._stream_keys()
+        ops: list[str] = []
+        pairs: list[str | int] = []
         for event in events:
             op = "+" if event.kind is KVEventKind.STORED else "-"
             for block_hash in event.block_hashes:
-                keys.append(self._block_key(block_hash.hex()))
-                args += [op, block_hash.hex()]
+                hash_hex = block_hash.hex()
+                keys.append(self._block_key(hash_hex))
+                pairs += [op, hash_hex]
+                ops.append(op + hash_hex[: OP_LEN - 1])
+        args = [generation, f"{worker_id}:{generation}", self.stream_len, "".join(ops), *pairs]
         return bool(await self._publish(keys, args))
 
     async def deregister(self, worker_id: str, generation: int | None = None) -> bool:
@@ -305,9 +376,9 @@ class PrefixIndex:
         Returns:
             Whether a registration was removed.
         """
-        keys = [self._worker_key(worker_id), self.key("workers")]
+        keys = [self._worker_key(worker_id), self.key("workers"), *self._stream_keys()]
         removed = await self._deregister(
-            keys, [worker_id, "" if generation is None else generation]
+            keys, [worker_id, "" if generation is None else generation, self.stream_len]
         )
         await self._reap(only_worker_id=worker_id)
         return bool(removed)
@@ -348,7 +419,7 @@ class PrefixIndex:
 
     async def _reap(self, only_worker_id: str | None) -> ReapResult:
         members = [_text(m) for m in await self._redis.smembers(self.key("registrations"))]
-        regs = [_split_member(m) for m in members]
+        regs = [split_member(m) for m in members]
         if only_worker_id is not None:
             regs = [reg for reg in regs if reg[0] == only_worker_id]
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -386,6 +457,58 @@ class PrefixIndex:
                 pipe.srem(self._block_key(hash_hex), member)
             return sum(await pipe.execute())
 
+    # -- the events stream, for routers that follow the index in memory ----------------
+
+    async def stream_position(self) -> tuple[int, str]:
+        """The events stream's last entry: (its sequence number, its id); (0, "0-0") when
+        the stream is empty. One atomic round trip."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.get(self.key("events_seq"))
+            pipe.xrevrange(self.key("events"), count=1)
+            seq, last = await pipe.execute()
+        if not last:
+            return (_int(seq) or 0), "0-0"
+        entry_id, fields = last[0]
+        return int(_field(fields, "n")), _text(entry_id)
+
+    async def live_table(self) -> tuple[str, list[tuple[WorkerInfo, int]]]:
+        """Every live worker with the milliseconds left on its lease, and the index's
+        epoch: a random id the first caller sets, which a restarted (emptied) Redis no
+        longer has, so a router that sees it change knows its view is of another index.
+        One round trip."""
+        epoch, rows = await self._live(
+            [self.key("workers"), self.key("epoch")], [self.key("worker:"), uuid.uuid4().hex]
+        )
+        table = [(_match_result((r[0], 0, r[2])).worker, int(r[1])) for r in rows]
+        return _text(epoch), sorted(table, key=lambda row: row[0].worker_id)
+
+    async def events_seq(self) -> int:
+        """The sequence number of the stream's newest entry (0 before the first)."""
+        return _int(await self._redis.get(self.key("events_seq"))) or 0
+
+    async def read_events(
+        self, after_id: str, block_ms: int, count: int = 1024
+    ) -> list[StreamEvent]:
+        """The stream's entries after `after_id`, oldest first, waiting up to `block_ms`
+        for the first (0: return at once)."""
+        reply: Any = await self._redis.xread(
+            {self.key("events"): after_id}, count=count, block=block_ms or None
+        )
+        if not reply:
+            return []
+        return [_stream_event(entry_id, fields) for entry_id, fields in reply[0][1]]
+
+    async def held(self, registrations: Sequence[tuple[str, int]]) -> list[list[str]]:
+        """The blocks (hash hex) each registration published, in one pipelined trip."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id, generation in registrations:
+                pipe.smembers(self._held_key(worker_id, generation))
+            replies = await pipe.execute()
+        return [[_text(h) for h in reply] for reply in replies]
+
+    def _stream_keys(self) -> list[str]:
+        return [self.key("events"), self.key("events_seq")]
+
     def _worker_key(self, worker_id: str) -> str:
         return self._prefix + "worker:" + worker_id
 
@@ -422,7 +545,39 @@ def _match_result(row: Sequence[Any]) -> MatchResult:
     return MatchResult(worker, int(matched_blocks))
 
 
-def _split_member(member: str) -> tuple[str, int]:
+class StreamEvent(NamedTuple):
+    """One entry of the events stream.
+
+    kind: "r" (registered: drop the worker's older generations), "p" (published: `ops`),
+    "d" (deregistered). member: "worker_id:generation". ops: `OP_LEN` characters each.
+    entry_id: Redis's id, "<ms>-<n>", whose first part is Redis's clock at the write.
+    """
+
+    seq: int
+    kind: str
+    member: str
+    ops: str
+    entry_id: str
+
+
+def _field(fields: Mapping[Any, Any], name: str) -> str:
+    value = fields.get(name)
+    if value is None:
+        value = fields.get(name.encode())
+    return "" if value is None else _text(value)
+
+
+def _stream_event(entry_id: bytes | str, fields: Mapping[Any, Any]) -> StreamEvent:
+    return StreamEvent(
+        seq=int(_field(fields, "n")),
+        kind=_field(fields, "k"),
+        member=_field(fields, "m"),
+        ops=_field(fields, "o"),
+        entry_id=_text(entry_id),
+    )
+
+
+def split_member(member: str) -> tuple[str, int]:
     """Splits "worker_id:generation"; the id may itself contain ':'."""
     worker_id, _, generation = member.rpartition(":")
     return worker_id, int(generation)

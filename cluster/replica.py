@@ -101,7 +101,12 @@ class WorkerReplica:
         self.redis = aioredis.Redis.from_url(
             self.config.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0
         )
-        self.index = PrefixIndex(self.redis, self.config.model_id, self.config.worker_lease_s)
+        self.index = PrefixIndex(
+            self.redis,
+            self.config.model_id,
+            self.config.worker_lease_s,
+            stream_len=self.config.index_events_len(),
+        )
         self.member: IndexMember | None = None
         self._flush_task: asyncio.Task[None] | None = None
         self._flush_again = False

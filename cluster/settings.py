@@ -17,6 +17,7 @@ from pdserve.kv_transfer.tls import TLSConfig
 Mode = Literal["disagg", "colocated"]
 Transport = Literal["grpc", "ucx"]
 Placement = Literal["prefix-aware", "round-robin", "random"]
+RouterIndex = Literal["memory", "redis"]
 DisaggPolicy = Literal["conditional", "always"]
 ToolCallParserName = Literal["auto", "hermes", "json", "none"]
 ROLES = ("prefill", "decode")

@@ -36,8 +36,8 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, NamedTuple, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, NamedTuple, Protocol, cast
 
 from opentelemetry.trace import Span, SpanKind, Tracer
 from redis.exceptions import RedisError
@@ -54,8 +54,8 @@ from pdserve.cluster.messages import (
     PrefillReport,
     WorkerState,
 )
-from pdserve.cluster.prefix_index import MatchResult, PrefixIndex, WorkerInfo
-from pdserve.engine.hashing import hash_block_chain, hash_namespace
+from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
+from pdserve.engine.hashing import BlockHash, hash_block_chain, hash_namespace
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.router.channels import ChannelStream, DecodeChannels
@@ -152,6 +152,16 @@ def _is_transfer_error(exc: BaseException) -> bool:
     return isinstance(exc, TransferError) or isinstance(getattr(exc, "cause", None), TransferError)
 
 
+class PrefixMatcher(Protocol):
+    """What placement asks of the prefix index (`PrefixIndex`, `IndexFollower`)."""
+
+    async def match(
+        self, block_hashes: Sequence[BlockHash], role: str | None = None
+    ) -> dict[str, MatchResult]: ...
+
+    async def live_workers(self, role: str | None = None) -> list[WorkerInfo]: ...
+
+
 class RouterCore:
     """Places and dispatches requests; records their metrics.
 
@@ -159,7 +169,8 @@ class RouterCore:
         config: The cluster's configuration (resolved: max_model_len is set).
         prefill: Handle of the prefill deployment (None in colocated mode).
         decode: Handle of the decode deployment.
-        index: The prefix index client.
+        index: The prefix index: Redis's (`PrefixIndex`) or this process's view of it
+            (`IndexFollower`).
         tracer: The router's tracer (`cluster/tracing.py`), None when tracing is off.
     """
 
@@ -168,7 +179,7 @@ class RouterCore:
         config: ClusterConfig,
         prefill: PrefillHandle | None,
         decode: DecodeHandle,
-        index: PrefixIndex,
+        index: PrefixMatcher,
         tracer: Tracer | None = None,
         metrics: RouterMetrics | None = None,
     ) -> None:

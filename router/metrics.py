@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from pdserve.cluster.index_follower import MATCH_SOURCES, SNAPSHOT_REASONS
 from pdserve.cluster.prefix_index import WorkerInfo
 from pdserve.router.disagg import REASONS
 
@@ -129,6 +130,13 @@ class ModelMetrics:
         self.result_cache_errors = p.result_cache_errors.labels(model)
         self.result_cache_stores = _Partial(p.result_cache_stores, model)
         self.result_cache_stored_bytes = p.result_cache_stored_bytes.labels(model)
+        self.index_snapshots = _Partial(p.index_snapshots, model)
+        self.index_matches = _Partial(p.index_matches, model)
+        self.index_event_lag = p.index_event_lag.labels(model)
+        for reason in SNAPSHOT_REASONS:
+            self.index_snapshots.labels(reason)
+        for source in MATCH_SOURCES:
+            self.index_matches.labels(source)
         for result in ("stored", "too_large", "error"):
             self.result_cache_stores.labels(result)
         for reason in LOCAL_PREFILL_REASONS:  # every reason shows, at 0 until it happens
@@ -290,6 +298,26 @@ class RouterMetrics:
             "pdserve_model_route_decisions",
             "Requests naming a routed model, by route, the rule that matched and the model",
             ["route", "rule", "model"],
+            registry=r,
+        )
+        self.index_snapshots = Counter(
+            "pdserve_router_index_snapshots",
+            "Snapshots of the prefix index this router's view was built from, by reason",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.index_matches = Counter(
+            "pdserve_router_index_matches",
+            "Prefix matches by where they were answered: memory, stale (the last view,"
+            " Redis unreachable) or redis",
+            ["model", "source"],
+            registry=r,
+        )
+        self.index_event_lag = Histogram(
+            "pdserve_router_index_event_lag_seconds",
+            "A KV event's age when this router's view applied it",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.inflight = Gauge(

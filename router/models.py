@@ -23,11 +23,12 @@ from typing import Any
 from opentelemetry.trace import Tracer
 
 from pdserve.cluster.config import ClusterConfig, model_app_name
+from pdserve.cluster.index_follower import IndexFollower
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.engine.model_config import load_model_config
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.core import RouterCore
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.core import PrefixMatcher, RouterCore
+from pdserve.router.metrics import ModelMetrics, RouterMetrics
 from pdserve.router.tool_calls import tool_format
 
 PREFILL_DEPLOYMENT = "Prefill"
@@ -53,7 +54,7 @@ class ServedModel:
         self.max_model_len: int = config.max_model_len
         self.tokenizer = Tokenizer(Path(config.model))
         self.vocab_size = load_model_config(Path(config.model)).vocab_size
-        index = PrefixIndex(redis, config.model_id, config.worker_lease_s)
+        index = prefix_matcher(config, redis, metrics.for_model(config.model_id))
         self.core = RouterCore(config, prefill, decode, index, tracer, metrics)
         self.token_text: Callable[[int], str] = lru_cache(maxsize=65536)(self._decode_one)
         # the format tool_choice "auto" parses calls from; None: auto is a 400
@@ -71,6 +72,23 @@ class ServedModel:
             "owned_by": "pdserve",
             "max_model_len": self.max_model_len,
         }
+
+
+def prefix_matcher(config: ClusterConfig, redis: Any, metrics: ModelMetrics) -> PrefixMatcher:
+    """The index a model's router matches prompts in: the Redis index itself, or a
+    view of it in this process's memory (`router_index`, cluster/index_follower.py)."""
+    index = PrefixIndex(
+        redis, config.model_id, config.worker_lease_s, stream_len=config.index_events_len()
+    )
+    if config.router_index == "redis":
+        return index
+    return IndexFollower(
+        index,
+        refresh_s=config.heartbeat_s,
+        on_snapshot=lambda reason: metrics.index_snapshots.labels(reason).inc(),
+        on_match=lambda source: metrics.index_matches.labels(source).inc(),
+        on_lag=metrics.index_event_lag.observe,
+    )
 
 
 def pool_handles(config: ClusterConfig) -> tuple[Any | None, Any]:

@@ -36,6 +36,8 @@ ROWS = (
     "| match p50 / p99 (ms) |",
     "| PING p50 / p99 (ms) |",
     "| found: popular |",
+    "| view: match p50 / p99 (ms) |",
+    "| view: event lag p50 / p99 (ms) |",
 )
 
 
@@ -88,3 +90,9 @@ def test_index_scale_smoke_runs_and_stops_its_redis(tmp_path: Path) -> None:
         assert s["found"]["miss"] == 1.0
         if s["counts"]["turn"]:
             assert s["found"]["turn"] == 1.0
+        # the router's in-memory view, next to the Lua match: it followed the churn and
+        # answered as Redis did (a match may see an event a few ms before the other does)
+        assert s["view_lag_events"] > 0 and 0 <= s["view_lag_p50_ms"] <= s["view_lag_p99_ms"]
+        assert s["view_sources"] == {"memory": s["placements"]}, s["view_sources"]
+        assert s["view_agree"] >= 0.5, s["view_agree"]
+        assert s["view_bytes_per_block"] > 0 and s["view_places_per_cpu_s"] > 0

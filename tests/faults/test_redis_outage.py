@@ -85,5 +85,12 @@ def test_serving_survives_a_redis_outage_and_the_index_is_rebuilt(
                 assert (w["running"], w["waiting"], w["kv_blocks_used"]) == (0, 0, 0), w
                 assert w.get("pending_transfers", 0) == 0, w
             assert api.local_prefills(url) == {}
+            # the router's in-memory view (router_index: memory) was rebuilt, not kept
+            snapshots = {
+                reason: api.metric(url, "pdserve_router_index_snapshots_total", reason=reason)
+                for reason in ("start", "restart", "gap")
+            }
+            assert snapshots["start"] == 1 and snapshots["restart"] + snapshots["gap"] >= 1
+            assert api.metric(url, "pdserve_router_index_matches_total", source="memory") > 0
     finally:
         redis.stop()

@@ -1,0 +1,311 @@
+"""A router's prefix index in its own memory, kept current from the workers' events.
+
+`PrefixIndex.match` is a Lua script whose work grows with the live workers, run for every
+request. A follower instead holds the index's block entries in an `IndexView`, so a match
+walks only the prompt's chain (docs/prefix-index.md, "The in-memory view"):
+
+- **Snapshot.** It notes the events stream's position (sequence number and entry id, one
+  atomic read), reads the live workers and the `held:` set of each, and builds a view.
+  Events written meanwhile are replayed from the noted position; set operations applied
+  in order are idempotent, so one seen twice does no harm.
+- **Events.** It reads the stream from its last entry id (`XREAD BLOCK`): a publish's
+  ops, a registration (the worker's older generations leave the view), a deregistration.
+  Each entry carries the next sequence number; one that is not the last plus one means
+  entries were missed (trimmed while the router was behind or cut off, or Redis was
+  restarted), and it takes a new snapshot, counted by reason.
+- **Live workers.** It reads them with their load and the time left on their leases once
+  per `refresh_s` (and at once after a registration): a worker whose lease lapses leaves
+  the view's matches when its lease ends, not at the next read. The same read checks the
+  index's epoch, which a restarted Redis no longer has.
+- **Without Redis.** Matches go on from the last view while the last live read is no
+  older than a lease (counted as `stale`); past that, `match` asks Redis, which fails, and
+  the router places without the index as before. Until the first snapshot, matches are
+  the Lua script's (counted as `redis`).
+
+A stale view costs at most a worse placement: the decode worker's receiver checks every
+block it is sent against the full hashes and the model. Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from pdserve.cluster.index_view import IndexView, hex_key
+from pdserve.cluster.prefix_index import (
+    MatchResult,
+    PrefixIndex,
+    StreamEvent,
+    WorkerInfo,
+    split_member,
+)
+from pdserve.engine.hashing import BlockHash
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_REASONS = ("start", "gap", "restart", "error")
+MATCH_SOURCES = ("memory", "stale", "redis")
+_SNAPSHOT_BATCH = 64  # registrations whose held sets are read in one pipeline
+_MAX_BACKOFF_S = 2.0
+_MAX_BLOCK_MS = 1000  # under the router client's socket timeout
+_CLOSE_SLACK_S = 3.0
+
+
+class IndexFollower:
+    """One model's prefix index, matched in this process's memory.
+
+    Args:
+        index: The Redis index it follows (its `stream_len` is the workers').
+        refresh_s: How often the live workers are read (the workers' heartbeat period).
+        on_snapshot, on_match, on_lag: Hooks for metrics: a snapshot's reason, a match's
+            source (`MATCH_SOURCES`), an event's lag in seconds.
+        clock: Monotonic seconds (tests may pass their own).
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        refresh_s: float,
+        on_snapshot: Callable[[str], None] | None = None,
+        on_match: Callable[[str], None] | None = None,
+        on_lag: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.refresh_s = refresh_s
+        self.lease_s = index.lease_ms / 1000
+        self._on_snapshot = on_snapshot
+        self._on_match = on_match
+        self._on_lag = on_lag
+        self._clock = clock
+        self.view: IndexView | None = None
+        self.live: dict[str, tuple[WorkerInfo, float]] = {}  # id -> (info, lease end)
+        self.live_read_at = float("-inf")
+        self.applied_seq = 0
+        self.last_id = "0-0"
+        self.epoch: str | None = None
+        self.connected = False
+        self.snapshots: Counter[str] = Counter()
+        self.matches: Counter[str] = Counter()
+        self.lags_s: deque[float] = deque(maxlen=10_000)
+        self._resnapshot: str | None = "start"
+        self._closing = False
+        self._refresh_now = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Condition()
+
+    # -- the request path ------------------------------------------------------------
+
+    async def match(
+        self, block_hashes: Sequence[BlockHash], role: str | None = None
+    ) -> dict[str, MatchResult]:
+        """`PrefixIndex.match`'s answer, from memory when the view can give it.
+
+        Raises what `PrefixIndex.match` raises when it falls back to Redis.
+        """
+        self._ensure_started()
+        now = self._clock()
+        view = self.view
+        if view is None or now - self.live_read_at > self.lease_s:
+            self._count_match("redis")
+            return await self.index.match(block_hashes, role)
+        live = {
+            worker_id: info
+            for worker_id, (info, lease_end) in self.live.items()
+            if lease_end > now and (role is None or info.role == role)
+        }
+        counts = view.match(block_hashes, {w: info.generation for w, info in live.items()})
+        current = self.connected and self._resnapshot is None
+        self._count_match("memory" if current else "stale")
+        return {w: MatchResult(live[w], counts[w]) for w in sorted(live)}
+
+    async def live_workers(self, role: str | None = None) -> list[WorkerInfo]:
+        """Redis's answer: callers that ask this want the truth, not a view."""
+        return await self.index.live_workers(role)
+
+    # -- the background task ---------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts following, again after `close` too (idempotent; needs a running event
+        loop). Matches and waits start it themselves until it is closed."""
+        self._closing = False
+        self._ensure_started()
+
+    def _ensure_started(self) -> None:
+        if self._closing:
+            return
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        """Stops following, within about a second (one blocking read)."""
+        self._closing = True
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        # NOTE: a cancel that lands as redis-py's `asyncio.wait_for` completes is lost
+        # on Python 3.11; the flag then ends the loop after the read in progress.
+        done, _ = await asyncio.wait([task], timeout=_MAX_BLOCK_MS / 1000 + _CLOSE_SLACK_S)
+        if not done:
+            logger.warning("prefix index follower did not stop within %.1f s", _CLOSE_SLACK_S)
+        elif not task.cancelled() and task.exception() is not None:
+            logger.warning("prefix index follower failed", exc_info=task.exception())
+
+    async def wait_caught_up(self, timeout_s: float) -> None:
+        """Waits until every event Redis has now is in the view and the live workers
+        were read after the last registration (tests, benchmarks).
+
+        Raises:
+            TimeoutError: not within `timeout_s`.
+        """
+        self._ensure_started()
+        target = await self.index.events_seq()
+        await self.wait_until(
+            lambda: (
+                self.view is not None
+                and self._resnapshot is None
+                and self.applied_seq >= target
+                and not self._refresh_now.is_set()
+            ),
+            timeout_s,
+        )
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
+        """Waits until `predicate()` holds, checked after each change of the follower's
+        state (a snapshot, events applied, a live read, a lost connection).
+
+        Raises:
+            TimeoutError: not within `timeout_s`.
+        """
+        self._ensure_started()
+        async with asyncio.timeout(timeout_s), self._changed:
+            await self._changed.wait_for(predicate)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while not self._closing:
+            try:
+                if self._resnapshot is not None:
+                    await self._snapshot(self._resnapshot)
+                await self._follow()
+                backoff = 0.05
+            except (RedisError, OSError, TimeoutError) as exc:
+                level = logging.WARNING if self.connected else logging.DEBUG
+                logger.log(
+                    level, "prefix index events unreadable (%s): matching from the last view", exc
+                )
+                self.connected = False
+                await self._notify()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            except Exception:  # a bug here must not end following for good
+                logger.exception("prefix index follower failed; taking a new snapshot")
+                self._resnapshot = "error"
+                await asyncio.sleep(_MAX_BACKOFF_S)
+
+    async def _follow(self) -> None:
+        """Reads events until the next live read is due, then does it."""
+        due = self.live_read_at + self.refresh_s
+        while self._resnapshot is None and not self._closing:
+            left_ms = int((due - self._clock()) * 1000)
+            if left_ms <= 0 or self._refresh_now.is_set():
+                await self._read_live()
+                due = self.live_read_at + self.refresh_s
+                continue
+            events = await self.index.read_events(self.last_id, min(left_ms, _MAX_BLOCK_MS))
+            self.connected = True
+            self._apply(events)
+            await self._notify()
+
+    async def _snapshot(self, reason: str) -> None:
+        seq, last_id = await self.index.stream_position()
+        epoch, table = await self.index.live_table()
+        now = self._clock()
+        view = IndexView()
+        regs = [(w.worker_id, w.generation) for w, _ in table]
+        for i in range(0, len(regs), _SNAPSHOT_BATCH):
+            batch = regs[i : i + _SNAPSHOT_BATCH]
+            for (worker_id, generation), held in zip(
+                batch, await self.index.held(batch), strict=True
+            ):
+                view.store_keys(worker_id, generation, (hex_key(h) for h in held))
+        self.view = view
+        self.applied_seq, self.last_id, self.epoch = seq, last_id, epoch
+        self._set_live(table, now)
+        self._refresh_now.clear()
+        self.connected = True
+        self._resnapshot = None
+        self.snapshots[reason] += 1
+        if self._on_snapshot is not None:
+            self._on_snapshot(reason)
+        if reason != "start":
+            logger.info("prefix index view rebuilt (%s): %d blocks", reason, len(view))
+        await self._notify()
+
+    async def _read_live(self) -> None:
+        epoch, table = await self.index.live_table()
+        self.connected = True
+        if epoch != self.epoch:
+            self._resnapshot = "restart"
+            return
+        self._set_live(table, self._clock())
+        if self.view is not None:
+            self.view.drop_all_but({w.worker_id: w.generation for w, _ in table})
+        self._refresh_now.clear()
+        await self._notify()
+
+    def _set_live(self, table: Sequence[tuple[WorkerInfo, int]], now: float) -> None:
+        self.live = {w.worker_id: (w, now + ttl_ms / 1000) for w, ttl_ms in table}
+        self.live_read_at = now
+
+    def _apply(self, events: Sequence[StreamEvent]) -> None:
+        view = self.view
+        assert view is not None
+        wall_ms = time.time() * 1000
+        for event in events:
+            if event.seq != self.applied_seq + 1:
+                self._resnapshot = "gap" if event.seq > self.applied_seq else "restart"
+                return
+            worker_id, generation = split_member(event.member)
+            if event.kind == "p":
+                view.apply_ops(worker_id, generation, event.ops)
+            elif event.kind == "r":
+                view.drop_older(worker_id, generation)
+                self._refresh_now.set()
+            elif event.kind == "d":
+                view.drop(worker_id, generation)
+                entry = self.live.get(worker_id)
+                if entry is not None and entry[0].generation == generation:
+                    del self.live[worker_id]
+            self.applied_seq, self.last_id = event.seq, event.entry_id
+            lag_s = max(wall_ms - int(event.entry_id.partition("-")[0]), 0.0) / 1000
+            self.lags_s.append(lag_s)
+            if self._on_lag is not None:
+                self._on_lag(lag_s)
+
+    def _count_match(self, source: str) -> None:
+        self.matches[source] += 1
+        if self._on_match is not None:
+            self._on_match(source)
+
+
+def follower_stats(follower: IndexFollower) -> dict[str, Any]:
+    """What a follower has done, for logs and benchmarks."""
+    return {
+        "snapshots": dict(follower.snapshots),
+        "matches": dict(follower.matches),
+        "applied_seq": follower.applied_seq,
+        "blocks": len(follower.view) if follower.view is not None else 0,
+        "connected": follower.connected,
+    }
