@@ -403,8 +403,8 @@ class ClusterConfig(BaseModel):
     max_num_batched_tokens: int = engine_field("max_num_batched_tokens")
     enforce_eager: bool = engine_field("enforce_eager")
     kv_staging_mb: int = engine_field("kv_staging_mb")
-    # 100 ms: a GPU step stays far below it, so it binds only where a prompt really would
-    # stall the streams (CPU).
+    # a GPU step stays far below it, so it binds only where a prompt really would stall
+    # the streams (CPU)
     tpot_target_ms: float | None = engine_field("tpot_target_ms", default=100.0)
     # Without it, prompts arriving faster than capped steps prefill them queue without
     # bound.

@@ -118,8 +118,7 @@ class WorkerReplica:
     async def join_index(self, address: str) -> None:
         async def drain() -> list[KVEvent]:
             # NOTE: not through the engine thread: a request's last token must not wait
-            # for the next step boundary before its blocks are published (measured: the
-            # final token of `mixed`'s long prompts came 50-300 ms late under load)
+            # for the next step boundary before its blocks are published
             return self.engine.drain_kv_events()
 
         load = LastKnownLoad(

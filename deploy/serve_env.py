@@ -12,9 +12,8 @@ from collections.abc import MutableMapping
 # Settings for a streaming-heavy application. Every token crosses two Serve hops (decode
 # replica -> router replica -> HTTP proxy); with Serve's defaults each hop also crosses
 # threads (user code and the handle's router each run in a loop of their own thread) and
-# streams through Ray's object-ref generators. Measured, tiny model, 64 streams, 2 cores:
-# 1,028 output tok/s with the defaults, 1,901-2,058 with these (benchmarks/stream_capacity.py
-# measures the path alone).
+# streams through Ray's object-ref generators; these keep each hop on one loop
+# (docs/measurements.md has the figures; benchmarks/stream_capacity.py measures the path).
 SERVE_ENV = {
     # user code on the replica's main event loop (pdserve's never blocks it: the engine
     # steps on its own thread)
@@ -29,11 +28,8 @@ SERVE_ENV = {
     # Ray runs every worker process at nice 15 by default (its `worker_niceness`), so the
     # engine's threads, the one thing on a serving node that must not wait, rank below
     # the raylet, GCS, log monitor and any client on the host: each of their wake-ups
-    # preempts one of the engine's OpenMP threads and stalls the whole parallel region.
-    # Measured, mid model, `side_by_side.sh mid load` (pdserve only, colocated, 2 threads,
-    # TPOT target off), two interleaved pairs: 512-token prefill steps 0.550/0.531 s at
-    # nice 15 against 0.497/0.427 s at nice 0; TTFT p50 2,409/1,620 ms against
-    # 1,555/1,350 ms. The core worker reads it from its own environment at start.
+    # preempts one of the engine's OpenMP threads and stalls the whole parallel region
+    # (docs/measurements.md). The core worker reads it from its own environment at start.
     "RAY_worker_niceness": "0",
 }
 

@@ -316,8 +316,8 @@ def _prefill(
         mask = mask.tril(diagonal=offset)
     groups = q.shape[1] // k.shape[0]
     if groups > 1:
-        # NOTE: enable_gqa sends SDPA down its unfused math path on CPU (bmm + softmax,
-        # 3-5x slower for a prompt); repeating K/V per query head keeps the fused kernel.
+        # NOTE: enable_gqa sends SDPA down its unfused math path on CPU (bmm + softmax);
+        # repeating K/V per query head keeps the fused kernel (docs/measurements.md).
         k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
     # NOTE: 4-D inputs: SDPA's fused CPU kernel does not take 3-D ones.
     out = F.scaled_dot_product_attention(
@@ -351,8 +351,7 @@ def _decode(
     groups = num_heads // kv_heads
     q = q.view(batch, kv_heads, groups, head_dim)  # [b, KVH, G, D]
     k, v = k.transpose(0, 1), v.transpose(0, 1)  # [b, KVH, L, D]
-    # Without the GQA flag SDPA takes its fused CPU kernel: 4-8x faster than enable_gqa.
-    # (Two matmuls with a float32 softmax won in isolation for bf16 but lost end to end.)
+    # Without the GQA flag SDPA takes its fused CPU kernel (docs/measurements.md).
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 

@@ -105,8 +105,7 @@ NORM_NOISE_STD = 0.05
 # The trained demo. A 2048-token vocabulary makes three quarters of the corpus's words
 # single tokens, so even a model this small mostly emits whole words. The schedule was
 # tuned by the loss on the corpus it reaches within the time budget (a newcomer's first
-# `pdserve up` waits for it, and CI builds it twice): about 40 s on one core. Fewer steps
-# lose much (260: a loss of 1.8 against 1.43), a peak rate of 7e-3 did worse (1.48).
+# `pdserve up` waits for it, and CI builds it twice); docs/measurements.md has the runs.
 DEMO_SHAPE = dataclasses.replace(RANDOM_SHAPE, vocab_size=2048)
 DEMO_TRAINING = TrainConfig(
     shape=DEMO_SHAPE,
@@ -122,8 +121,7 @@ DEMO_TRAINING = TrainConfig(
     init_std=INIT_STD,
     seed=0,
     # NOTE: one thread, always: the bytes depend on the thread count (float reductions
-    # split differently), 2 threads were only 1.3x faster on 2 cores, and 2 OpenMP
-    # threads stall badly on a busy 2-core machine.
+    # split differently); docs/measurements.md has the rest.
     num_threads=1,
 )
 EXPECTED_TRAIN_S = 40  # on one core of the 2-core CI machine; only for the message

@@ -65,9 +65,8 @@ MAX_IDLE_STREAMS = 4  # idle PushStream calls a sender keeps per receiver
 # push starts); after any other, the call carries the next push
 _OUT_OF_STEP = (pb.BAD_HEADER, pb.TRUNCATED, pb.INTERNAL)
 MAX_MESSAGE_BYTES = 64 << 20  # a chunk, or a header (8 bytes of checksum per block)
-# NOTE: measured on 127.0.0.1: 0.5-1 MiB chunks move ~1.5x the bytes/s of 4 MiB ones;
-# grpcio copies each received message through a growing bytearray, and large ones fault
-# in fresh pages on every copy.
+# NOTE: grpcio copies each received message through a growing bytearray, and large
+# ones fault in fresh pages on every copy, so chunks stay small (docs/measurements.md).
 DEFAULT_CHUNK_BYTES = 1 << 20
 _OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
