@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,12 +106,11 @@ def test_a_stop_that_outlasts_its_budget_is_cut_short() -> None:
             proc.wait()
 
 
-def test_descendants_are_found_below_their_children() -> None:
+def test_descendants_are_found_below_their_children(poll: Any) -> None:
     shell = subprocess.Popen(["sh", "-c", "sleep 600 & wait"], start_new_session=True)
     try:
-        deadline = time.monotonic() + WAIT_S
-        while len(found := descendants(shell.pid)) < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the shell forks its child when it gets to it
+        # the shell forks its child when it gets to it
+        found = poll("the shell's child", lambda: descendants(shell.pid), WAIT_S, 0.05)
         assert len(found) == 1 and shell.pid in descendants()
     finally:
         os.killpg(shell.pid, signal.SIGKILL)

@@ -646,7 +646,7 @@ def test_official_client_gets_400_naming_what_is_not_implemented(
 
 
 def test_cluster_is_healthy_idle_and_serving(
-    cluster_url: str, http: requests.Session, tally: Tally, api: Any
+    cluster_url: str, http: requests.Session, tally: Tally, api: Any, poll: Any
 ) -> None:
     assert tally.num_requests >= MIN_REQUESTS, tally.statuses
     assert http.get(f"{cluster_url}/health", timeout=REQUEST_TIMEOUT_S).status_code == 200
@@ -662,17 +662,16 @@ def test_cluster_is_healthy_idle_and_serving(
     again = send(http, tally, cluster_url, COMPLETIONS, body).json()
     assert len(first["choices"][0]["token_ids"]) == 4
     assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
-    deadline = time.monotonic() + 10.0  # a worker's state may trail the last reply briefly
-    while True:
+
+    def idle() -> Any:  # a worker's state may trail the last reply briefly
         workers = http.get(f"{cluster_url}/workers", timeout=REQUEST_TIMEOUT_S).json()["workers"]
         busy = [
             w for w in workers if (w["running"], w["waiting"], w["kv_blocks_used"]) != (0, 0, 0)
         ]
-        if not busy or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return None if busy else workers
+
+    workers = poll("every worker idle after the last reply", idle, 10.0, 0.2)
     assert len(workers) == 2 and all("error" not in w for w in workers), workers
-    assert not busy, busy
     # Disaggregated: every request the module sent was prefilled by the prefill worker;
     # none fell back to prefilling on decode, for any reason.
     assert tally.count("POST", COMPLETIONS, 200) + tally.count("POST", CHAT, 200) > 0

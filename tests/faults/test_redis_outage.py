@@ -12,7 +12,6 @@ before the outage ships only the blocks it lacks.
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ REJOIN_DEADLINE_S = 30.0
 
 
 def test_serving_survives_a_redis_outage_and_the_index_is_rebuilt(
-    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any
+    api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any, poll: Any
 ) -> None:
     model_dir = Path(make_checkpoint())
     rng = random.Random(21)
@@ -63,11 +62,12 @@ def test_serving_survives_a_redis_outage_and_the_index_is_rebuilt(
             assert api.local_prefills(url) == {}, "no request may bypass the split"
 
             redis = EmbeddedRedis(port=redis.port).start()  # empty: the index is gone
-            deadline = time.monotonic() + REJOIN_DEADLINE_S
-            health = api.get_json(f"{url}/health", any_status=True)
-            while health["status"] != "ok" and time.monotonic() < deadline:
-                time.sleep(0.2)  # the poll period of an external condition
+
+            def rejoined() -> Any:
                 health = api.get_json(f"{url}/health", any_status=True)
+                return health if health["status"] == "ok" else None
+
+            health = poll("every worker back in the index", rejoined, REJOIN_DEADLINE_S, 0.2)
             assert health == {
                 "status": "ok",
                 "mode": "disagg",

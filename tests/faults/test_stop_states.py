@@ -70,7 +70,7 @@ def test_a_stop_while_the_demo_model_trains(
 
 
 def test_replicas_no_node_can_hold_are_named_and_the_stop_still_stops(
-    stoppable: Any, random_model_dir: Path, free_cluster_port: Any
+    stoppable: Any, random_model_dir: Path, free_cluster_port: Any, poll: Any
 ) -> None:
     """Replicas asking for a resource no node has: `pdserve up` names each deployment,
     what one replica asks for and what the cluster has (and /health says the same)
@@ -89,14 +89,14 @@ def test_replicas_no_node_can_hold_are_named_and_the_stop_still_stops(
     assert "0 of 0 pdserve_test_pool free" in prefill
     assert "asks for CPU 0.5, pdserve_test_pool 1" in decode
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60.0
-    while True:  # the router's report is refreshed every few seconds
+
+    def both_named() -> Any:  # the router's report is refreshed every few seconds
         status, body = _health(url)
         named = {u["deployment"] for u in body.get("unscheduled", [])}
-        if named == {"Prefill", "Decode"} or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert status == 503 and named == {"Prefill", "Decode"}, body
+        return (status, body) if named == {"Prefill", "Decode"} else None
+
+    status, body = poll("/health naming both pools unschedulable", both_named, 60.0, 0.5)
+    assert status == 503, body
     code, elapsed = up.stop(signal.SIGINT)
     assert code == 130, up.tail()
     assert elapsed < STOP_LIMIT_S
