@@ -149,6 +149,16 @@ def int8_on_triton(model: LlamaModel) -> None:
                 setattr(layer, field.name, linear.on_triton())
 
 
+def _with_threads(config: EngineConfig) -> EngineConfig:
+    """`config` with `num_threads` set: by default the cores this process may use, shared
+    by its local TP ranks (Ray's ranks each have CPUs of their own)."""
+    if config.num_threads is not None:
+        return config
+    ray_ranks = config.distributed_executor_backend == "ray"
+    threads = default_num_threads(1 if ray_ranks else config.tensor_parallel_size)
+    return config.model_copy(update={"num_threads": threads})
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -164,14 +174,10 @@ class LLMEngine:
         `rank_launcher`: how tensor-parallel ranks 1.. start; required with
         `distributed_executor_backend="ray"` (the cluster's, cluster/tp_ranks.py), local
         processes by default."""
-        config = config or EngineConfig()
-        threads = config.num_threads
-        if threads is None:  # the cores this process may use, shared by local TP ranks
-            ray_ranks = config.distributed_executor_backend == "ray"  # each its own CPUs
-            threads = default_num_threads(1 if ray_ranks else config.tensor_parallel_size)
-            config = config.model_copy(update={"num_threads": threads})
+        config = _with_threads(config or EngineConfig())
         self.config = config
-        torch.set_num_threads(threads)
+        assert config.num_threads is not None
+        torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(model)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
@@ -219,7 +225,42 @@ class LLMEngine:
         self.max_model_len = self.sizing.context_len()
         if start is None:  # a configured pool: a too small one fails before the weights load
             self.max_model_len, self.num_kv_blocks = self.sizing.from_config()
-        if tp > 1:  # the other ranks load their shards while this one loads its own
+        self.model: LlamaModel = self._load_weights(rank_launcher)
+        if reader is not None and start is not None:
+            self._size_pool_from_device(reader, start)
+        self.block_pool = BlockPool(
+            self.num_kv_blocks, enable_caching=config.enable_prefix_caching, enable_events=True
+        )
+        self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
+        self.scheduler = self._make_scheduler()
+        self.clock = time.perf_counter  # step wall times (tests inject a fake)
+        self.runner = self._make_runner()
+        self.kv_staging = KVStaging(
+            self.runner.kv_cache,
+            config.kv_staging_mb << 20,
+            use_kernels=True if triton_off_cuda(config) else None,
+        )
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        # Structured output: compiled grammars, per spec, for this engine's tokenizer.
+        self.grammars = GrammarCompiler(
+            self.model_dir / "tokenizer.json", self.model_config.vocab_size, self.eos_token_ids
+        )
+        self._namespace = hash_namespace(self.model_id, config.cache_salt)
+        self._seqs: dict[str, Sequence] = {}
+        self._held: dict[str, Sequence] = {}  # finished prefills keeping their blocks
+        self._trackers: dict[str, TextTracker] = {}
+        # parallel sampling: parent request id -> the choices to fork from it once its
+        # prompt is computed (child id, params, stream)
+        self._forks: dict[str, list[tuple[str, SamplingParams, bool]]] = {}
+        self._warm_up()
+
+    def _load_weights(self, rank_launcher: RankLauncher | None) -> LlamaModel:
+        """The model's weights (and the draft's); with TP, the other ranks load their
+        shards meanwhile. Nothing is left running if a load fails."""
+        config = self.config
+        if config.tensor_parallel_size > 1:
             dtype_name = next(k for k, v in _DTYPES.items() if v == self.dtype)
             self.tp_workers = TPWorkers(
                 self.model_dir,
@@ -231,7 +272,7 @@ class LLMEngine:
                 rank_launcher,
             )
         try:
-            self.model: LlamaModel = load_model(
+            model = load_model(
                 self.model_dir,
                 self.model_config,
                 self.dtype,
@@ -243,38 +284,42 @@ class LLMEngine:
                 config.quantization,
             )
             if self.tp_workers is not None:
-                self.model.tp = self.tp_workers.group
+                model.tp = self.tp_workers.group
                 self.tp_workers.wait_ready()
+            self.model = model
             self.draft_model = self._load_draft()
             if triton_off_cuda(config):
-                for loaded in (self.model, self.draft_model):
+                for loaded in (model, self.draft_model):
                     if loaded is not None:
                         int8_on_triton(loaded)
         except BaseException:
             self.close()
             raise
-        if reader is not None and start is not None:
-            reserved = self._reserved_after_sizing(self.max_model_len)
-            self.max_model_len, self.num_kv_blocks, profile = self.sizing.measure(
-                reader, start, self.max_model_len, self._profile_runner, reserved
-            )
-            self.memory_profile = profile
-            logger.info(
-                "KV pool sized from the device: %s; the pool takes %d blocks (%.2f GiB)",
-                profile.describe(),
-                self.num_kv_blocks,
-                self.num_kv_blocks * profile.block_bytes / (1 << 30),
-            )
-        self.block_pool = BlockPool(
-            self.num_kv_blocks, enable_caching=config.enable_prefix_caching, enable_events=True
+        return model
+
+    def _size_pool_from_device(self, reader: MemoryReader, start: Any) -> None:
+        """The KV pool from what the loaded model leaves of the device (CUDA)."""
+        reserved = self._reserved_after_sizing(self.max_model_len)
+        self.max_model_len, self.num_kv_blocks, profile = self.sizing.measure(
+            reader, start, self.max_model_len, self._profile_runner, reserved
         )
-        self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
+        self.memory_profile = profile
+        logger.info(
+            "KV pool sized from the device: %s; the pool takes %d blocks (%.2f GiB)",
+            profile.describe(),
+            self.num_kv_blocks,
+            self.num_kv_blocks * profile.block_bytes / (1 << 30),
+        )
+
+    def _make_scheduler(self) -> Scheduler:
+        config = self.config
+        spec = config.speculative_config
         target_ms = config.tpot_target_ms
         # Measured only with a target or adaptive speculation: on CUDA the measurement
         # may cost a sync (see step).
         measured = target_ms is not None or (spec is not None and spec.adaptive)
         self.step_cost = StepCostModel() if measured else None
-        self.scheduler = Scheduler(
+        scheduler = Scheduler(
             self.kv_manager,
             SchedulerLimits(
                 max_num_seqs=config.max_num_seqs,
@@ -297,10 +342,13 @@ class LLMEngine:
                 else None
             ),
         )
-        if isinstance(self.scheduler.proposer, DraftProposer):
-            self.scheduler.proposer.stats = self.scheduler.spec_stats
-        self.clock = time.perf_counter  # step wall times (tests inject a fake)
-        self.runner = ModelRunner(
+        if isinstance(scheduler.proposer, DraftProposer):
+            scheduler.proposer.stats = scheduler.spec_stats
+        return scheduler
+
+    def _make_runner(self) -> ModelRunner:
+        config = self.config
+        return ModelRunner(
             self.model,
             allocate_kv_cache(
                 self.model,
@@ -317,25 +365,12 @@ class LLMEngine:
             self.device,
             self.tp_workers,
         )
-        self.kv_staging = KVStaging(
-            self.runner.kv_cache,
-            config.kv_staging_mb << 20,
-            use_kernels=True if triton_off_cuda(config) else None,
-        )
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        )
-        # Structured output: compiled grammars, per spec, for this engine's tokenizer.
-        self.grammars = GrammarCompiler(
-            self.model_dir / "tokenizer.json", self.model_config.vocab_size, self.eos_token_ids
-        )
-        self._namespace = hash_namespace(self.model_id, config.cache_salt)
-        self._seqs: dict[str, Sequence] = {}
-        self._held: dict[str, Sequence] = {}  # finished prefills keeping their blocks
-        self._trackers: dict[str, TextTracker] = {}
-        # parallel sampling: parent request id -> the choices to fork from it once its
-        # prompt is computed (child id, params, stream)
-        self._forks: dict[str, list[tuple[str, SamplingParams, bool]]] = {}
+
+    def _warm_up(self) -> None:
+        """On CUDA, everything compiled before the first request: the decode graphs, or
+        every kernel variant when eager."""
+        config = self.config
+        tp = config.tensor_parallel_size
         # NOTE: tensor parallel runs eagerly (no collectives inside captured graphs yet).
         if tp == 1 and cuda_graphs_enabled(config.enforce_eager, self.device, self.runner.backend):
             # Decode steps as CUDA graphs, captured once the KV cache is final.
