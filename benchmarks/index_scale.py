@@ -413,16 +413,7 @@ async def measure_size(
         entries = sum(await pipe.execute())
 
     # a router that starts now: its snapshot, then it follows the churn below
-    follower = None
-    snapshot_s = view_bytes = 0.0
-    if index.stream_len:
-        t = time.perf_counter()
-        refresh_s = args.heartbeat_s or 1.0
-        follower = IndexFollower(PrefixIndex(client, index.model_id, LEASE_S), refresh_s)
-        await follower.wait_caught_up(SNAPSHOT_TIMEOUT_S)
-        snapshot_s = time.perf_counter() - t
-        assert follower.view is not None
-        view_bytes = follower.view.approx_bytes()
+    follower, snapshot_s = await late_router(client, index, args) if index.stream_len else (None, 0)
 
     # 2. churn, heartbeats, placements and PINGs at once
     placer = Placer("prefix-aware", PlacementWeights(), BLOCK_SIZE, random.Random(args.seed))
@@ -508,23 +499,15 @@ async def measure_size(
 
     view: dict[str, Any] = {}
     if follower is not None:
-        lags = [lag * 1e3 for lag in follower.lags_s]
-        sources = dict(follower.matches)
         view = {
             "view_snapshot_s": snapshot_s,
-            "view_bytes_per_block": view_bytes / max(blocks, 1),
             "view_match_p50_ms": pct(view_match_ms, 50),
             "view_match_p99_ms": pct(view_match_ms, 99),
             "view_place_p50_ms": pct(view_place_ms, 50),
             "view_place_p99_ms": pct(view_place_ms, 99),
             "view_agree": sum(agree) / max(len(agree), 1),
-            "view_lag_p50_ms": pct(lags, 50),
-            "view_lag_p99_ms": pct(lags, 99),
-            "view_lag_events": len(lags),
-            "view_places_per_cpu_s": await view_throughput(fleet, follower, placer),
-            "view_sources": sources,
+            **await view_figures(fleet, follower, placer, blocks),
         }
-        await follower.close()
 
     grown = memory - empty_memory
     return Size(
@@ -579,14 +562,41 @@ def _counts(matches: dict[str, MatchResult]) -> dict[str, tuple[int, int]]:
     return {w: (m.worker.generation, m.matched_blocks) for w, m in matches.items()}
 
 
-async def view_throughput(fleet: Fleet, follower: IndexFollower, placer: Placer) -> float:
-    """Placements from the view, one after another with nothing else running: how many
-    one second of this process's CPU makes (a router core's ceiling)."""
+async def late_router(
+    client: aioredis.Redis, index: PrefixIndex, args: argparse.Namespace
+) -> tuple[IndexFollower, float]:
+    """A router's in-memory view started now, and the seconds its snapshot took."""
+    t = time.perf_counter()
+    refresh_s = args.heartbeat_s or 1.0
+    follower = IndexFollower(PrefixIndex(client, index.model_id, LEASE_S), refresh_s)
+    await follower.wait_caught_up(SNAPSHOT_TIMEOUT_S)
+    return follower, time.perf_counter() - t
+
+
+async def view_figures(
+    fleet: Fleet, follower: IndexFollower, placer: Placer, blocks: int
+) -> dict[str, Any]:
+    """The view's event lag and memory, then its placements one after another with
+    nothing else running: how many one second of this process's CPU makes (a router
+    core's ceiling). Stops the follower."""
+    lags = [lag * 1e3 for lag in follower.lags_s]
+    sources = dict(follower.matches)
+    assert follower.view is not None
+    view_bytes = follower.view.approx_bytes()
     chains = [fleet.query()[1] for _ in range(VIEW_PLACEMENTS)]
     cpu0 = time.process_time()
     for chain in chains:
         choose(placer, await follower.match(chain), len(chain))
-    return len(chains) / max(time.process_time() - cpu0, 1e-9)
+    per_cpu_s = len(chains) / max(time.process_time() - cpu0, 1e-9)
+    await follower.close()
+    return {
+        "view_bytes_per_block": view_bytes / max(blocks, 1),
+        "view_lag_p50_ms": pct(lags, 50),
+        "view_lag_p99_ms": pct(lags, 99),
+        "view_lag_events": len(lags),
+        "view_places_per_cpu_s": per_cpu_s,
+        "view_sources": sources,
+    }
 
 
 def print_size(s: Size, args: argparse.Namespace, num_workers: int) -> None:
