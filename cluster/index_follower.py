@@ -29,10 +29,11 @@ block it is sent against the full hashes and the model. Plain Python: no torch.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -50,6 +51,10 @@ from pdserve.engine.hashing import BlockHash
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_REASONS = ("start", "gap", "restart", "error")
+# The router's shortlist per pool (`shortlist`): every worker of a pool this size or
+# smaller, so placement there is exactly as over the whole pool; above it, a placement's
+# cost stops growing with the fleet.
+PLACEMENT_SHORTLIST = 16
 MATCH_SOURCES = ("memory", "stale", "redis")
 _SNAPSHOT_BATCH = 64  # registrations whose held sets are read in one pipeline
 _MAX_BACKOFF_S = 2.0
@@ -66,6 +71,12 @@ class IndexFollower:
         on_snapshot, on_match, on_lag: Hooks for metrics: a snapshot's reason, a match's
             source (`MATCH_SOURCES`), an event's lag in seconds.
         clock: Monotonic seconds (tests may pass their own).
+        shortlist: None: a match answers for every live worker, as `PrefixIndex.match`
+            does. A number K: per pool, only the K holders of the longest prefixes (the
+            least loaded first among equals) and the K least loaded workers, as of the
+            last live read; placement scores those (`router/core.py`), so its work grows
+            with K, the chain and its holders, not with the fleet. The answer's `live`
+            attribute holds every live worker's id.
     """
 
     def __init__(
@@ -76,6 +87,7 @@ class IndexFollower:
         on_match: Callable[[str], None] | None = None,
         on_lag: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shortlist: int | None = None,
     ) -> None:
         self.index = index
         self.refresh_s = refresh_s
@@ -85,7 +97,11 @@ class IndexFollower:
         self._on_lag = on_lag
         self._clock = clock
         self.view: IndexView | None = None
+        self.shortlist = shortlist
         self.live: dict[str, tuple[WorkerInfo, float]] = {}  # id -> (info, lease end)
+        self._generations: dict[str, int] = {}
+        self._rank: dict[str, dict[str, int]] = {}  # role -> worker id -> rank by load
+        self._least_loaded: dict[str, list[str]] = {}  # role -> the first `shortlist`
         self.live_read_at = float("-inf")
         self.applied_seq = 0
         self.last_id = "0-0"
@@ -115,15 +131,35 @@ class IndexFollower:
         if view is None or now - self.live_read_at > self.lease_s:
             self._count_match("redis")
             return await self.index.match(block_hashes, role)
+        current = self.connected and self._resnapshot is None
+        self._count_match("memory" if current else "stale")
+        if self.shortlist is not None:
+            return self._shortlisted(view.holders(block_hashes, self._generations), now, role)
         live = {
             worker_id: info
             for worker_id, (info, lease_end) in self.live.items()
             if lease_end > now and (role is None or info.role == role)
         }
         counts = view.match(block_hashes, {w: info.generation for w, info in live.items()})
-        current = self.connected and self._resnapshot is None
-        self._count_match("memory" if current else "stale")
         return {w: MatchResult(live[w], counts[w]) for w in sorted(live)}
+
+    def _shortlisted(self, counts: dict[str, int], now: float, role: str | None) -> Shortlist:
+        assert self.shortlist is not None
+        k = self.shortlist
+        picked: set[str] = set()
+        for pool, rank in self._rank.items():
+            if role is not None and pool != role:
+                continue
+            held = [w for w in counts if w in rank]
+            picked.update(heapq.nsmallest(k, held, key=lambda w: (-counts[w], rank[w])))
+            picked.update(self._least_loaded[pool])
+        out = Shortlist()
+        for worker_id in sorted(picked):
+            info, lease_end = self.live[worker_id]
+            if lease_end > now:
+                out[worker_id] = MatchResult(info, counts.get(worker_id, 0))
+        out.live = self.live.keys()
+        return out
 
     async def live_workers(self, role: str | None = None) -> list[WorkerInfo]:
         """Redis's answer: callers that ask this want the truth, not a view."""
@@ -267,7 +303,15 @@ class IndexFollower:
 
     def _set_live(self, table: Sequence[tuple[WorkerInfo, int]], now: float) -> None:
         self.live = {w.worker_id: (w, now + ttl_ms / 1000) for w, ttl_ms in table}
+        self._generations = {w.worker_id: w.generation for w, _ in table}
         self.live_read_at = now
+        if self.shortlist is None:
+            return
+        ranked: dict[str, list[str]] = {}
+        for w, _ in sorted(table, key=lambda row: _load_key(row[0])):
+            ranked.setdefault(w.role, []).append(w.worker_id)
+        self._rank = {role: {w: i for i, w in enumerate(ids)} for role, ids in ranked.items()}
+        self._least_loaded = {role: ids[: self.shortlist] for role, ids in ranked.items()}
 
     def _apply(self, events: Sequence[StreamEvent]) -> None:
         view = self.view
@@ -298,6 +342,25 @@ class IndexFollower:
         self.matches[source] += 1
         if self._on_match is not None:
             self._on_match(source)
+
+
+class Shortlist(dict[str, MatchResult]):
+    """A shortlisted match: the workers placement scores, and (`live`) every live
+    worker's id, for what the router keeps per worker."""
+
+    live: Collection[str] = ()
+
+
+def _load_key(w: WorkerInfo) -> tuple[float, float]:
+    """How loaded a worker was at the last live read, for the shortlist: a prefill
+    worker by the seconds its queue takes, a decode worker by its sequences and then its
+    KV pool's use."""
+    load = w.load
+    if w.role == "prefill":
+        rate = load.get("prefill_tokens_per_s", 0) or 1
+        return load.get("queued_prefill_tokens", 0) / rate, 0.0
+    used = load.get("kv_blocks_used", 0) / max(load.get("kv_blocks_total", 0), 1)
+    return float(load.get("running", 0) + load.get("waiting", 0)), used
 
 
 def follower_stats(follower: IndexFollower) -> dict[str, Any]:

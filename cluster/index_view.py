@@ -160,8 +160,13 @@ class IndexView:
     def match(self, block_hashes: Sequence[BlockHash], live: Mapping[str, int]) -> dict[str, int]:
         """Per live worker (worker_id -> its current generation), the leading blocks of
         the chain it holds, stopping at its first missing block: `PrefixIndex.match`'s
-        counts, in time proportional to the chain and the holders of its blocks."""
-        counts = dict.fromkeys(live, 0)
+        counts (0 for a live worker holding none)."""
+        return {**dict.fromkeys(live, 0), **self.holders(block_hashes, live)}
+
+    def holders(self, block_hashes: Sequence[BlockHash], live: Mapping[str, int]) -> dict[str, int]:
+        """`match` without the workers holding none of the chain: time proportional to
+        the chain and the holders of its blocks, whatever the fleet's size."""
+        counts: dict[str, int] = {}
         running: set[int] | None = None  # slots still matching
         for depth, h in enumerate(block_hashes):
             holders = self._holders.get(block_key(h))

@@ -273,7 +273,8 @@ class RouterCore:
             self.index_available = False
             return Placed(None, None, indexed=False)
         self.index_available = True
-        self.rates.forget_except(matches)
+        # a shortlisted match (cluster/index_follower.py) names every live worker apart
+        self.rates.forget_except(getattr(matches, "live", matches))
         by_role: dict[str, dict[str, MatchResult]] = {"prefill": {}, "decode": {}}
         for worker_id, m in matches.items():
             if worker_id not in exclude:

@@ -23,7 +23,7 @@ from typing import Any
 from opentelemetry.trace import Tracer
 
 from pdserve.cluster.config import ClusterConfig, model_app_name
-from pdserve.cluster.index_follower import IndexFollower
+from pdserve.cluster.index_follower import PLACEMENT_SHORTLIST, IndexFollower
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.engine.model_config import load_model_config
 from pdserve.engine.tokenizer import Tokenizer
@@ -85,6 +85,7 @@ def prefix_matcher(config: ClusterConfig, redis: Any, metrics: ModelMetrics) -> 
     return IndexFollower(
         index,
         refresh_s=config.heartbeat_s,
+        shortlist=PLACEMENT_SHORTLIST,
         on_snapshot=lambda reason: metrics.index_snapshots.labels(reason).inc(),
         on_match=lambda source: metrics.index_matches.labels(source).inc(),
         on_lag=metrics.index_event_lag.observe,

@@ -114,17 +114,20 @@ async def test_a_followed_history_gives_the_lua_match_s_holders(
         await fleet.register(f"w{w}")
     first = IndexFollower(make_index(redis_server.url), refresh_s=0.5)
     late = IndexFollower(make_index(redis_server.url), refresh_s=0.5)
+    # a pool no larger than the shortlist: every worker, as the router's matches see it
+    short = IndexFollower(make_index(redis_server.url), refresh_s=0.5, shortlist=3)
     try:
         for i in range(200):
             await fleet.step()
             await fleet.check(first)
+            await fleet.check(short, samples=1)
             if i >= 100:
                 await fleet.check(late)
         assert first.snapshots == {"start": 1} and late.snapshots == {"start": 1}
         assert first.matches["memory"] > 0 and set(first.matches) == {"memory"}
         assert len(first.lags_s) > 0 and max(first.lags_s) < WAIT_S
     finally:
-        await closing(first, late)
+        await closing(first, late, short)
         await workers._redis.aclose()
 
 
@@ -214,6 +217,52 @@ async def test_a_lapsed_lease_leaves_the_view_when_it_ends(redis_server: Embedde
         now[0] += 0.51  # past the 1 s lease as the snapshot read it
         assert await follower.match(c) == {}
         assert follower.matches == {"memory": 3}
+    finally:
+        await closing(follower)
+        await workers._redis.aclose()
+
+
+@in_loop
+async def test_a_shortlist_keeps_the_longest_holders_and_the_least_loaded(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """40 workers a pool, a shortlist of 3: a match names the 3 holders of the longest
+    prefix (the least loaded first among equals) and the 3 least loaded workers of each
+    pool, whatever the fleet's size, and every live worker apart."""
+    workers = make_index(redis_server.url)
+    c = chain(list(range(40)))  # 10 blocks
+    generation = {}
+    for i in range(80):
+        role = "prefill" if i % 2 else "decode"
+        load = {"queued_prefill_tokens": 1000 - i} if role == "prefill" else {"running": 80 - i}
+        w = f"w{i:02d}"
+        generation[w] = await workers.register(WorkerInfo(w, role, "a", load=load))
+        held = c[: 1 + i % 10]  # w09, w19, ... hold all 10 blocks
+        assert await workers.publish(w, generation[w], [KVEvent(KVEventKind.STORED, tuple(held))])
+    follower = IndexFollower(make_index(redis_server.url), refresh_s=0.5, shortlist=3)
+    try:
+        await follower.wait_caught_up(WAIT_S)
+        got = counts(await follower.match(c))
+        full = await workers.match(c)
+        assert {w: n for w, (_, n) in got.items()} == {
+            # the longest holders, the least loaded first (loads fall as i grows)
+            "w79": 10,
+            "w69": 10,
+            "w59": 10,  # prefill
+            "w78": 9,
+            "w68": 9,
+            "w58": 9,  # decode: even ids, so 9 blocks at most
+            # the least loaded of each pool
+            "w77": 8,
+            "w75": 6,  # prefill (w79 is both)
+            "w76": 7,
+            "w74": 5,  # decode (w78 is both)
+        }
+        assert all(full[w].matched_blocks == n for w, (_, n) in got.items())
+        shortlist = await follower.match(c)
+        assert set(getattr(shortlist, "live", ())) == set(generation)
+        only_decode = await follower.match(c, "decode")
+        assert set(only_decode) == {"w78", "w68", "w58", "w76", "w74"}
     finally:
         await closing(follower)
         await workers._redis.aclose()
