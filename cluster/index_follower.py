@@ -99,9 +99,12 @@ class IndexFollower:
         self.view: IndexView | None = None
         self.shortlist = shortlist
         self.live: dict[str, tuple[WorkerInfo, float]] = {}  # id -> (info, lease end)
-        self._generations: dict[str, int] = {}
-        self._rank: dict[str, dict[str, int]] = {}  # role -> worker id -> rank by load
-        self._least_loaded: dict[str, list[str]] = {}  # role -> the first `shortlist`
+        # per pool, as of the last live read: worker ids by load, least first; the live
+        # registrations' slots in the view; each slot's place in that order
+        self._order: dict[str, list[str]] = {}
+        self._order_slots: dict[str, list[int]] = {}
+        self._pool_slots: dict[str, set[int]] = {}
+        self._slot_rank: dict[str, dict[int, int]] = {}
         self.live_read_at = float("-inf")
         self.applied_seq = 0
         self.last_id = "0-0"
@@ -134,7 +137,7 @@ class IndexFollower:
         current = self.connected and self._resnapshot is None
         self._count_match("memory" if current else "stale")
         if self.shortlist is not None:
-            return self._shortlisted(view.holders(block_hashes, self._generations), now, role)
+            return self._shortlisted(view, view.levels(block_hashes), now, role)
         live = {
             worker_id: info
             for worker_id, (info, lease_end) in self.live.items()
@@ -143,21 +146,39 @@ class IndexFollower:
         counts = view.match(block_hashes, {w: info.generation for w, info in live.items()})
         return {w: MatchResult(live[w], counts[w]) for w in sorted(live)}
 
-    def _shortlisted(self, counts: dict[str, int], now: float, role: str | None) -> Shortlist:
+    def _shortlisted(
+        self, view: IndexView, levels: Levels, now: float, role: str | None
+    ) -> Shortlist:
+        """Per pool, the `shortlist` longest holders (least loaded first among equals)
+        and the `shortlist` least loaded workers; their entries' registrations must be
+        the live ones."""
         assert self.shortlist is not None
         k = self.shortlist
-        picked: set[str] = set()
-        for pool, rank in self._rank.items():
+        chosen: dict[str, int] = {}  # worker_id -> matched blocks
+        for pool, order in self._order.items():
             if role is not None and pool != role:
                 continue
-            held = [w for w in counts if w in rank]
-            picked.update(heapq.nsmallest(k, held, key=lambda w: (-counts[w], rank[w])))
-            picked.update(self._least_loaded[pool])
+            pool_slots, slot_rank = self._pool_slots[pool], self._slot_rank[pool]
+            need = k
+            for depth, slots in levels:
+                if need <= 0:
+                    break
+                in_pool = slots & pool_slots
+                if len(in_pool) > need:
+                    in_pool = set(_least_loaded(in_pool, need, slot_rank, self._order_slots[pool]))
+                for slot in in_pool:
+                    member = view.member(slot)
+                    if member is not None:
+                        chosen[member[0]] = depth
+                need -= len(in_pool)
+            for worker_id, slot in zip(order[:k], self._order_slots[pool], strict=False):
+                if worker_id not in chosen:
+                    chosen[worker_id] = next((d for d, held in levels if slot in held), 0)
         out = Shortlist()
-        for worker_id in sorted(picked):
-            info, lease_end = self.live[worker_id]
-            if lease_end > now:
-                out[worker_id] = MatchResult(info, counts.get(worker_id, 0))
+        for worker_id in sorted(chosen):
+            entry = self.live.get(worker_id)
+            if entry is not None and entry[1] > now:
+                out[worker_id] = MatchResult(entry[0], chosen[worker_id])
         out.live = self.live.keys()
         return out
 
@@ -303,15 +324,21 @@ class IndexFollower:
 
     def _set_live(self, table: Sequence[tuple[WorkerInfo, int]], now: float) -> None:
         self.live = {w.worker_id: (w, now + ttl_ms / 1000) for w, ttl_ms in table}
-        self._generations = {w.worker_id: w.generation for w, _ in table}
         self.live_read_at = now
-        if self.shortlist is None:
+        if self.shortlist is None or self.view is None:
             return
-        ranked: dict[str, list[str]] = {}
+        view = self.view
+        self._order, self._order_slots = {}, {}
         for w, _ in sorted(table, key=lambda row: _load_key(row[0])):
-            ranked.setdefault(w.role, []).append(w.worker_id)
-        self._rank = {role: {w: i for i, w in enumerate(ids)} for role, ids in ranked.items()}
-        self._least_loaded = {role: ids[: self.shortlist] for role, ids in ranked.items()}
+            self._order.setdefault(w.role, []).append(w.worker_id)
+            slot = view.slot_of(w.worker_id, w.generation, create=True)
+            assert slot is not None
+            self._order_slots.setdefault(w.role, []).append(slot)
+        self._slot_rank = {
+            role: {slot: i for i, slot in enumerate(slots)}
+            for role, slots in self._order_slots.items()
+        }
+        self._pool_slots = {role: set(slots) for role, slots in self._order_slots.items()}
 
     def _apply(self, events: Sequence[StreamEvent]) -> None:
         view = self.view
@@ -349,6 +376,23 @@ class Shortlist(dict[str, MatchResult]):
     worker's id, for what the router keeps per worker."""
 
     live: Collection[str] = ()
+
+
+Levels = list[tuple[int, set[int]]]
+
+
+def _least_loaded(slots: set[int], n: int, rank: dict[int, int], order: list[int]) -> list[int]:
+    """The `n` of `slots` that come first in `order` (least loaded first): by walking
+    the order when `slots` is most of it, else by their ranks."""
+    if len(slots) * 8 >= len(order):
+        picked = []
+        for slot in order:
+            if slot in slots:
+                picked.append(slot)
+                if len(picked) == n:
+                    break
+        return picked
+    return heapq.nsmallest(n, slots, key=rank.__getitem__)
 
 
 def _load_key(w: WorkerInfo) -> tuple[float, float]:

@@ -30,6 +30,7 @@ from pdserve.engine.block_pool import KVEvent, KVEventKind
 from pdserve.engine.hashing import BlockHash
 
 Holders = int | tuple[int, ...]
+_INTERN_LIMIT = 1 << 16
 
 
 def block_key(block_hash: BlockHash) -> int:
@@ -51,6 +52,7 @@ class IndexView:
         self._member: dict[int, tuple[str, int]] = {}  # slot -> (worker_id, generation)
         self._held: dict[int, set[int]] = {}  # slot -> block keys (to drop a registration)
         self._next_slot = 0
+        self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         """Blocks held by at least one registration."""
@@ -115,9 +117,9 @@ class IndexView:
         if current is None:
             self._holders[key] = slot
         elif isinstance(current, int):
-            self._holders[key] = (current, slot)
+            self._holders[key] = self._intern((current, slot))
         else:
-            self._holders[key] = (*current, slot)
+            self._holders[key] = self._intern((*current, slot))
 
     def drop(self, worker_id: str, generation: int | None = None) -> int:
         """Forget a registration (its lease lapsed, it deregistered, or its worker
@@ -187,6 +189,47 @@ class IndexView:
                 counts[self._member[slot][0]] = depth + 1
         return counts
 
+    def levels(self, block_hashes: Sequence[BlockHash]) -> list[tuple[int, set[int]]]:
+        """Who holds how much of the chain, by registration slot: (depth, the slots
+        holding exactly `depth` leading blocks), deepest first, depth > 0 only. Liveness
+        is the caller's (`member`). Time: the chain, plus the holders where they change
+        from one block to the next."""
+        out: list[tuple[int, set[int]]] = []
+        running: set[int] | None = None
+        previous: Holders | None = None
+        depth = 0
+        for h in block_hashes:
+            holders = self._holders.get(block_key(h))
+            if holders is None:
+                break
+            if holders is not previous:
+                slots = {holders} if isinstance(holders, int) else set(holders)
+                if running is None:
+                    running = slots
+                else:
+                    kept = running & slots
+                    if len(kept) != len(running):
+                        out.append((depth, running - kept))
+                        running = kept
+                previous = holders
+            if not running:
+                break
+            depth += 1
+        if running:
+            out.append((depth, running))
+        out.reverse()
+        return [(d, slots) for d, slots in out if d > 0]
+
+    def member(self, slot: int) -> tuple[str, int] | None:
+        """The registration (worker_id, generation) of a slot, None once dropped."""
+        return self._member.get(slot)
+
+    def slot_of(self, worker_id: str, generation: int, create: bool = False) -> int | None:
+        """A registration's slot (made, empty, with `create`)."""
+        if create:
+            return self._slot(worker_id, generation)
+        return self._slot_of.get((worker_id, generation))
+
     def _slot(self, worker_id: str, generation: int) -> int:
         slot = self._slot_of.get((worker_id, generation))
         if slot is None:
@@ -202,4 +245,12 @@ class IndexView:
             del self._holders[key]
             return
         rest = tuple(s for s in current if s != slot)
-        self._holders[key] = rest[0] if len(rest) == 1 else rest
+        self._holders[key] = rest[0] if len(rest) == 1 else self._intern(rest)
+
+    def _intern(self, holders: tuple[int, ...]) -> tuple[int, ...]:
+        """One tuple object for equal holder sets: consecutive blocks of a prefix that
+        the same workers hold share it, so a walk skips them at the cost of an identity
+        check (`levels`), and the memory is shared. A cache, cleared when it grows."""
+        if len(self._interned) >= _INTERN_LIMIT:
+            self._interned.clear()
+        return self._interned.setdefault(holders, holders)

@@ -124,6 +124,13 @@ async def _replay(url: str) -> None:
             for c in rng.sample(chains, 3):
                 want = {w: r.matched_blocks for w, r in (await index.match(c)).items()}
                 assert view.match(c, live) == want
+                by_level = {}  # the same holders, from the walk the router's shortlist uses
+                for depth, slots in view.levels(c):
+                    for slot in slots:
+                        member = view.member(slot)
+                        if member is not None and live.get(member[0]) == member[1]:
+                            by_level[member[0]] = depth
+                assert by_level == {w: n for w, n in want.items() if n}
         view.drop_all_but(live)
         assert {w for w, _ in view.registrations} <= set(live)
     finally:
