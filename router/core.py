@@ -1,14 +1,15 @@
 """The router's request path, independent of HTTP (docs/architecture.md, "Request path").
 
 `RouterCore.generate` takes a tokenized, validated request and yields the decode
-worker's output items. In between: one index round trip (every live worker's matched
-prefix), joint placement of P and D, and dual dispatch: D is called first (a submit on
-this router's token channel to D, `channels.py`, on which D streams the outputs of all
-this router's requests) and once it confirms that its receiver expects the request (and
-says which replica took the call and where its receiver listens), P is told to prefill
-and push the blocks D lacks there. A prefill failure reaches D at once (`cancel_kv`),
-which then prefills locally. Redis being down never fails a request, nor bypasses the
-split: Ray Serve then picks D and P, and P pushes every block to whichever D took it.
+worker's output items. In between: a prefix match (from the router's in-memory view of
+the index, or a Redis round trip), joint placement of P and D, and dual dispatch: D is
+called first (a submit on this router's token channel to D, `channels.py`, on which D
+streams the outputs of all this router's requests) and once it confirms that its
+receiver expects the request (and says which replica took the call and where its
+receiver listens), P is told to prefill and push the blocks D lacks there. A prefill
+failure reaches D at once (`cancel_kv`), which then prefills locally. Redis being down
+never fails a request, nor bypasses the split: Ray Serve then picks D and P, and P
+pushes every block to whichever D took it.
 
 Between placement and dispatch, conditional disaggregation (`disagg.py`) decides per
 request whether P prefills (remote) or D does (local), from time estimates of both; each

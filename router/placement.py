@@ -1,13 +1,13 @@
 """Joint placement of a request's prefill and decode workers (docs/architecture.md, "Request path").
 
-Input: for each live worker of a pool, how many leading blocks of the prompt it holds
-(one index round trip) and its load (heartbeat gauges plus what this router has in
-flight there, which the heartbeat has not seen yet). Output: the cheapest worker of each
-pool; ties are broken at random. A prefill worker's cost is the time it would take to
-finish this prompt, its queue included, at its measured rate (`router/disagg.py`): the
-one that finishes soonest is chosen, so a slow or backed-up worker gets less.
-`round-robin` and `random` ignore prefix and load, for the benchmarks that measure what
-prefix-aware placement buys. Plain Python.
+Input: for each candidate worker of a pool (every live one, or the index view's
+shortlist), how many leading blocks of the prompt it holds and its load (heartbeat
+gauges plus what this router has in flight there, which the heartbeat has not seen yet).
+Output: the cheapest worker of each pool; ties are broken at random. A prefill worker's
+cost is the time it would take to finish this prompt, its queue included, at its
+measured rate (`router/disagg.py`): the one that finishes soonest is chosen, so a slow
+or backed-up worker gets less. `round-robin` and `random` ignore prefix and load, for
+the benchmarks that measure what prefix-aware placement buys. Plain Python.
 """
 
 from __future__ import annotations
