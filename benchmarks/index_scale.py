@@ -427,23 +427,22 @@ async def measure_size(
     chain_blocks: list[int] = []
     churned = [0]
 
-    async def place() -> None:
-        kind, chain, expected, worker = fleet.query()
+    async def timed(
+        matcher: IndexFollower | PrefixIndex, chain: list[BlockHash], into: tuple[list[float], ...]
+    ) -> dict[str, MatchResult]:
         t = time.perf_counter()
-        matches = await index.match(chain)
+        matches = await matcher.match(chain)
         t_match = time.perf_counter()
         choose(placer, matches, len(chain))
-        t_place = time.perf_counter()
-        match_ms.append((t_match - t) * 1e3)
-        place_ms.append((t_place - t) * 1e3)
+        into[0].append((t_match - t) * 1e3)
+        into[1].append((time.perf_counter() - t) * 1e3)
+        return matches
+
+    async def place() -> None:
+        kind, chain, expected, worker = fleet.query()
+        matches = await timed(index, chain, (match_ms, place_ms))
         if follower is not None:
-            t = time.perf_counter()
-            in_memory = await follower.match(chain)
-            t_match = time.perf_counter()
-            choose(placer, in_memory, len(chain))
-            t_place = time.perf_counter()
-            view_match_ms.append((t_match - t) * 1e3)
-            view_place_ms.append((t_place - t) * 1e3)
+            in_memory = await timed(follower, chain, (view_match_ms, view_place_ms))
             agree.append(_same_holders(in_memory, matches))
         chain_blocks.append(len(chain))
         best = max((m.matched_blocks for m in matches.values()), default=0)
