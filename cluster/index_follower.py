@@ -215,6 +215,13 @@ class IndexFollower:
         elif not task.cancelled() and task.exception() is not None:
             logger.warning("prefix index follower failed", exc_info=task.exception())
 
+    def stop(self) -> None:
+        """`close` without waiting (a replica's teardown, outside the loop's tasks)."""
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
     async def wait_caught_up(self, timeout_s: float) -> None:
         """Waits until every event Redis has now is in the view and the live workers
         were read after the last registration (tests, benchmarks).

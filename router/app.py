@@ -374,8 +374,11 @@ class Router:
 
     def __del__(self) -> None:
         """Serve stops the replica (no request left): close the decode channels, which
-        the decode replicas' own stop waits for, and export the spans still batched."""
+        the decode replicas' own stop waits for, stop following the prefix index's
+        events, and export the spans still batched."""
         self.drain.close()
+        for served in self.by_model.values():
+            served.stop_index()
         tracing.flush()
 
     # -- endpoints --------------------------------------------------------------------

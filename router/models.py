@@ -54,11 +54,16 @@ class ServedModel:
         self.max_model_len: int = config.max_model_len
         self.tokenizer = Tokenizer(Path(config.model))
         self.vocab_size = load_model_config(Path(config.model)).vocab_size
-        index = prefix_matcher(config, redis, metrics.for_model(config.model_id))
-        self.core = RouterCore(config, prefill, decode, index, tracer, metrics)
+        self.index = prefix_matcher(config, redis, metrics.for_model(config.model_id))
+        self.core = RouterCore(config, prefill, decode, self.index, tracer, metrics)
         self.token_text: Callable[[int], str] = lru_cache(maxsize=65536)(self._decode_one)
         # the format tool_choice "auto" parses calls from; None: auto is a 400
         self.tool_format = tool_format(config.tool_call_parser, self.tokenizer.chat_template)
+
+    def stop_index(self) -> None:
+        """Stop following the prefix index's events (the replica stops)."""
+        if isinstance(self.index, IndexFollower):
+            self.index.stop()
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
