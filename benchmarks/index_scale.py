@@ -41,6 +41,14 @@ Per size of `--sizes` (distinct blocks indexed; the sizes grow one run, one serv
    this process used (a saturated client shows here, and in the actions it had to skip:
    at most 64 placements and 256 heartbeats or publishes run at once); and as the
    baseline, PING round trips from the same loop at the same rate at the same time.
+   With the events stream on (`--stream-len`, the default), a router's in-memory view
+   (`cluster/index_follower.py`, with the router's shortlist) is started after the load
+   (its snapshot timed) and follows the churn; each placement is also made from it, timed
+   and checked against the Lua match's answer. Reported: its match and placement
+   latency, the events' lag into it, its memory per block, and its placements per second
+   of this process's CPU (one at a time, idle).
+2b. The same window again with placements from the view only, as a cluster with
+   `router_index: memory` runs (no Lua match holds Redis up): the events' lag there.
 3. Idle: 20 matches one at a time, nothing else running, of a chain nobody holds (the
    cost of reading every live worker) and 20 of one starting with the prompt every
    worker holds (plus the walk), each with Redis's own time per call (`INFO
@@ -151,6 +159,12 @@ class Size:
     view_lag_events: int = 0
     view_places_per_cpu_s: float = 0.0  # idle, one at a time: per second of this CPU
     view_sources: dict[str, int] = field(default_factory=dict)  # match source -> count
+    # 2b: the same load with placements from the view only (router_index: memory)
+    view_only_match_p99_ms: float = 0.0
+    view_only_lag_p50_ms: float = 0.0
+    view_only_lag_p99_ms: float = 0.0
+    view_only_lag_events: int = 0
+    view_only_redis_cpu: float = 0.0
     found: dict[str, float] = field(default_factory=dict)  # kind -> fraction as expected
     counts: dict[str, int] = field(default_factory=dict)  # kind -> placements
     skipped: dict[str, int] = field(default_factory=dict)  # due while IN_FLIGHT ran
@@ -321,6 +335,20 @@ async def run_jobs(
     return done[0], done[1]
 
 
+@dataclass
+class Window:
+    """One churn window's pacers and what it measured."""
+
+    churns: Paced
+    beats: Paced
+    places: Paced
+    seconds: float = 0.0
+    client_cpu: float = 0.0
+    redis_cpu: float = 0.0
+    lags_ms: list[float] = field(default_factory=list)  # the view's event lags
+    sources: dict[str, int] = field(default_factory=dict)  # the view's match sources
+
+
 class Paced:
     """Starts `action()` `rate` times a second for `duration_s`, open loop.
 
@@ -468,26 +496,49 @@ async def measure_size(
         if not await index.heartbeat(fleet.ids[w], fleet.generations[w], fleet.load()):
             raise RuntimeError(f"worker {fleet.ids[w]} lost its registration")
 
-    churns = Paced(args.churn_rate / (2 * args.churn_batch), FLEET_IN_FLIGHT)
     beat_rate = fleet.num_workers / args.heartbeat_s if args.heartbeat_s > 0 else 0.0
-    beats = Paced(beat_rate, FLEET_IN_FLIGHT)
-    places = Paced(args.rate, IN_FLIGHT)
-    pings = Paced(args.rate, IN_FLIGHT)
-    redis_cpu0 = await redis_cpu_s(client)
-    cpu0 = time.process_time()
-    t0 = time.perf_counter()
-    if follower is not None:
-        follower.lags_s.clear()
-        follower.matches.clear()
-    runs = [churns.run(churn, args.duration), places.run(place, args.duration)]
-    runs.append(pings.run(ping, args.duration))
-    if beats.rate > 0:
-        runs.append(beats.run(heartbeat, args.duration))
-    await asyncio.gather(*runs)
-    window_s = time.perf_counter() - t0
-    client_cpu = (time.process_time() - cpu0) / window_s
-    redis_cpu = (await redis_cpu_s(client) - redis_cpu0) / window_s
+
+    async def window(placement: Callable[[], Awaitable[None]]) -> Window:
+        """`--duration` seconds of churn, heartbeats, placements and PINGs at once."""
+        w = Window(
+            Paced(args.churn_rate / (2 * args.churn_batch), FLEET_IN_FLIGHT),
+            Paced(beat_rate, FLEET_IN_FLIGHT),
+            Paced(args.rate, IN_FLIGHT),
+        )
+        pings = Paced(args.rate, IN_FLIGHT)
+        redis_cpu0 = await redis_cpu_s(client)
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        if follower is not None:
+            follower.lags_s.clear()
+            follower.matches.clear()
+        runs = [w.churns.run(churn, args.duration), w.places.run(placement, args.duration)]
+        runs.append(pings.run(ping, args.duration))
+        if w.beats.rate > 0:
+            runs.append(w.beats.run(heartbeat, args.duration))
+        await asyncio.gather(*runs)
+        w.seconds = time.perf_counter() - t0
+        w.client_cpu = (time.process_time() - cpu0) / w.seconds
+        w.redis_cpu = (await redis_cpu_s(client) - redis_cpu0) / w.seconds
+        if follower is not None:
+            w.lags_ms = [lag * 1e3 for lag in follower.lags_s]
+            w.sources = dict(follower.matches)
+        return w
+
+    both = await window(place)
+    churns, beats, places = both.churns, both.beats, both.places
+    window_s, client_cpu, redis_cpu = both.seconds, both.client_cpu, both.redis_cpu
     load_avg = os.getloadavg()[0]
+    alone: Window | None = None
+    alone_match_ms: list[float] = []
+    if follower is not None:
+        # 2b. the same load with placements from the view only, as a cluster with
+        # `router_index: memory` runs: no Lua match holds Redis up between events
+        async def place_from_view() -> None:
+            chain = fleet.query()[1]
+            await timed(follower, chain, (alone_match_ms, []))
+
+        alone = await window(place_from_view)
 
     # 3. idle: one match at a time, nothing else running, and Redis's own time per call
     length = max(MAX_CHAIN // 2, len(fleet.prompts[0]))
@@ -497,14 +548,26 @@ async def measure_size(
     )
 
     view: dict[str, Any] = {}
-    if follower is not None:
+    if alone is not None:
         view = {
+            "view_only_match_p99_ms": pct(alone_match_ms, 99),
+            "view_only_lag_p50_ms": pct(alone.lags_ms, 50),
+            "view_only_lag_p99_ms": pct(alone.lags_ms, 99),
+            "view_only_lag_events": len(alone.lags_ms),
+            "view_only_redis_cpu": alone.redis_cpu,
+        }
+    if follower is not None:
+        view |= {
             "view_snapshot_s": snapshot_s,
             "view_match_p50_ms": pct(view_match_ms, 50),
             "view_match_p99_ms": pct(view_match_ms, 99),
             "view_place_p50_ms": pct(view_place_ms, 50),
             "view_place_p99_ms": pct(view_place_ms, 99),
             "view_agree": sum(agree) / max(len(agree), 1),
+            "view_lag_p50_ms": pct(both.lags_ms, 50),
+            "view_lag_p99_ms": pct(both.lags_ms, 99),
+            "view_lag_events": len(both.lags_ms),
+            "view_sources": both.sources,
             **await view_figures(fleet, follower, placer, blocks),
         }
 
@@ -586,8 +649,6 @@ async def view_figures(
     """The view's event lag and memory, then its placements one after another with
     nothing else running: how many one second of this process's CPU makes (a router
     core's ceiling). Stops the follower."""
-    lags = [lag * 1e3 for lag in follower.lags_s]
-    sources = dict(follower.matches)
     assert follower.view is not None
     view_bytes = follower.view.approx_bytes()
     chains = [fleet.query()[1] for _ in range(VIEW_PLACEMENTS)]
@@ -598,11 +659,7 @@ async def view_figures(
     await follower.close()
     return {
         "view_bytes_per_block": view_bytes / max(blocks, 1),
-        "view_lag_p50_ms": pct(lags, 50),
-        "view_lag_p99_ms": pct(lags, 99),
-        "view_lag_events": len(lags),
         "view_places_per_cpu_s": per_cpu_s,
-        "view_sources": sources,
     }
 
 
@@ -714,8 +771,15 @@ def print_size(s: Size, args: argparse.Namespace, num_workers: int) -> None:
             (
                 "view: event lag p50 / p99 (ms)",
                 f"{s.view_lag_p50_ms:.1f} / {s.view_lag_p99_ms:.1f}",
-                f"{s.view_lag_events:,} stream entries during the churn; matches by source"
-                f" {s.view_sources}",
+                f"{s.view_lag_events:,} stream entries during the churn, Lua matches"
+                f" running too; matches by source {s.view_sources}",
+            ),
+            (
+                "view only: event lag p50 / p99 (ms)",
+                f"{s.view_only_lag_p50_ms:.1f} / {s.view_only_lag_p99_ms:.1f}",
+                f"the same churn with placements from the view only (router_index: memory):"
+                f" {s.view_only_lag_events:,} entries, match p99"
+                f" {s.view_only_match_p99_ms:.3f} ms, Redis {s.view_only_redis_cpu:.2f} cores",
             ),
         ]
     for kind, _ in QUERY_KINDS:
@@ -739,6 +803,7 @@ def print_summary(sizes: list[Size]) -> None:
     print("\n## summary: the Lua match (Redis) and the router's in-memory view, same run")
     columns = ["blocks", "entries", "events/s", "B/block", "Lua match p50 / p99"]
     columns += ["view match p50 / p99", "view places/CPU-s", "event lag p50 / p99"]
+    columns += ["view-only lag p50 / p99"]
     columns += ["view B/block", "PING p50", "placements/s"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
@@ -749,6 +814,7 @@ def print_summary(sizes: list[Size]) -> None:
             f"{s.view_match_p50_ms:.3f} / {s.view_match_p99_ms:.3f} ms | "
             f"{s.view_places_per_cpu_s:,.0f} | "
             f"{s.view_lag_p50_ms:.1f} / {s.view_lag_p99_ms:.1f} ms | "
+            f"{s.view_only_lag_p50_ms:.1f} / {s.view_only_lag_p99_ms:.1f} ms | "
             f"{s.view_bytes_per_block:,.0f} | {s.ping_p50_ms:.3f} ms | "
             f"{s.placements_per_s:,.1f} |"
         )

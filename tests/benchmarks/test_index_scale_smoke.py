@@ -96,3 +96,4 @@ def test_index_scale_smoke_runs_and_stops_its_redis(tmp_path: Path) -> None:
         assert s["view_sources"] == {"memory": s["placements"]}, s["view_sources"]
         assert s["view_agree"] >= 0.5, s["view_agree"]
         assert s["view_bytes_per_block"] > 0 and s["view_places_per_cpu_s"] > 0
+        assert s["view_only_lag_events"] > 0 and s["view_only_match_p99_ms"] > 0
