@@ -259,6 +259,7 @@ class IndexFollower:
     async def _run(self) -> None:
         backoff = 0.05
         while not self._closing:
+            _raise_if_cancelled()
             try:
                 if self._resnapshot is not None:
                     await self._snapshot(self._resnapshot)
@@ -282,6 +283,7 @@ class IndexFollower:
         """Reads events until the next live read is due, then does it."""
         due = self.live_read_at + self.refresh_s
         while self._resnapshot is None and not self._closing:
+            _raise_if_cancelled()
             left_ms = int((due - self._clock()) * 1000)
             if left_ms <= 0 or self._refresh_now.is_set():
                 await self._read_live()
@@ -386,6 +388,15 @@ class Shortlist(dict[str, MatchResult]):
 
 
 Levels = list[tuple[int, set[int]]]
+
+
+def _raise_if_cancelled() -> None:
+    """Ends the task if a cancel was requested but lost: on Python 3.11, one that lands
+    as redis-py's `asyncio.wait_for` completes is swallowed, and a loop of Redis calls
+    would then run on (asyncio.run's shutdown waits for it forever)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _least_loaded(slots: set[int], n: int, rank: dict[int, int], order: list[int]) -> list[int]:
