@@ -22,7 +22,7 @@ ENV RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 \
     RAY_worker_niceness=0
 # A C/C++ compiler: a UCX receiver bound to one address builds a small helper against
 # ucxx's headers on first use (kv_transfer/ucx_listener.py), and CPU engines build their
-# decode-attention kernel (engine/csrc/) the same way.
+# decode-attention kernel (engine/cpu/csrc/) the same way.
 USER root
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*

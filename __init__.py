@@ -24,3 +24,7 @@ sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir
 
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "10000"
+
+from pdserve import _moved  # noqa: E402 (after the path fix above)
+
+_moved.install(__name__)

@@ -44,8 +44,8 @@ from pdserve.benchmarks.bench import SLO, BenchResult, ModelInfo, Poisson, run_b
 from pdserve.benchmarks.bench_report import Scrape, scrape_metrics
 from pdserve.benchmarks.bench_workloads import Mixed, SharedPrefix, Workload
 from pdserve.benchmarks.machine import print_machine
+from pdserve.common.hashing import hash_block_chain, hash_namespace
 from pdserve.deploy.redis_server import drain, free_port, wait_for_line
-from pdserve.engine.hashing import hash_block_chain, hash_namespace
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 120.0

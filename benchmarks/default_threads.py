@@ -3,7 +3,7 @@
     python -m pdserve.benchmarks.default_threads [--model mid] [--dtype bfloat16] [--quick]
 
 An engine told no `num_threads` uses the CPUs its process may run on (`OMP_NUM_THREADS`
-when set, else its affinity mask: engine/config.py, `default_num_threads`). This measures
+when set, else its affinity mask: common/engine_config.py, `default_num_threads`). This measures
 that against one thread on engine_throughput's `uniform-b32` workload (32 random prompts
 of 128 tokens, 128 greedy tokens each, submitted at once), each setting in a fresh
 process, since torch's thread count is per process:
@@ -121,7 +121,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-threads-") as tmp:
-        from pdserve.engine.demo_model import write_random_model
+        from pdserve.demo.model import write_random_model
 
         tokenizer_dir = write_random_model(Path(tmp) / "random")
         model_dir = build_checkpoint(MODELS[model], Path(tmp) / model, tokenizer_dir)

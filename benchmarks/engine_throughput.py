@@ -50,9 +50,9 @@ from typing import Any, NamedTuple
 import torch
 
 from pdserve.benchmarks.machine import print_machine
+from pdserve.demo.model import write_random_model
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.demo_model import write_random_model
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.modeling.llama import LlamaModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_PROMPT_ID = 512  # the random model tokenizer's vocab; the engine is given ids only

@@ -276,7 +276,7 @@ def small_checkpoint(run: Run, init: float = PARITY_INIT) -> Path:
     `transformers`, so that its own greedy tokens are the reference."""
     import transformers
 
-    from pdserve.engine.demo_model import write_random_model
+    from pdserve.demo.model import write_random_model
 
     out = run.workdir / f"small-{init:g}"
     if (out / "config.json").is_file():
@@ -596,11 +596,11 @@ def copy_bandwidth(run: Run) -> float:
 
 
 def dummy_model_dir(run: Run) -> Path:
-    from pdserve.engine.dummy_model import LLAMA3_8B, TINY, write_config_only_model
+    from pdserve.demo.dummy import LLAMA3_8B, TINY, write_config_only_model
 
     tok_dir = run.workdir / "random"
     if not (tok_dir / "tokenizer.json").is_file():
-        from pdserve.engine.demo_model import write_random_model
+        from pdserve.demo.model import write_random_model
 
         write_random_model(tok_dir)
     shape = TINY if run.smoke else LLAMA3_8B
@@ -616,9 +616,9 @@ def weight_bytes_per_token(cfg: Any, itemsize: int) -> int:
 
 
 def check_decode_prefill(run: Run) -> None:
-    from pdserve.engine.config import EngineConfig
+    from pdserve.common.engine_config import EngineConfig
+    from pdserve.common.sampling_params import SamplingParams
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
 
     model_dir = dummy_model_dir(run)
     batches = [1, 4] if run.smoke else [1, 64]

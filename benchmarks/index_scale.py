@@ -14,7 +14,7 @@ loop, one connection pool.
 
 The fleet: `--workers` simulated workers (half prefill, half decode, 8-character ids as
 Ray Serve gives replicas), each registered once. The cache's shape: `--prompts` "system
-prompts" (chains of 8-64 blocks hashed with `engine/hashing.py` from random tokens),
+prompts" (chains of 8-64 blocks hashed with `common/hashing.py` from random tokens),
 prompt i held by every (i+1)-th worker, so the first is on every worker, plus unique
 tails: each worker's own blocks, the hash of (worker, sequence number) by the same
 function, so a tail can be named again for its eviction without holding millions of
@@ -85,15 +85,15 @@ from pdserve.benchmarks.machine import print_machine
 from pdserve.cluster.config import PlacementWeights
 from pdserve.cluster.index_follower import PLACEMENT_SHORTLIST, IndexFollower
 from pdserve.cluster.prefix_index import MatchResult, PrefixIndex, WorkerInfo
-from pdserve.deploy.redis_server import EmbeddedRedis
-from pdserve.engine.block_pool import KVEvent, KVEventKind
-from pdserve.engine.hashing import (
+from pdserve.common.hashing import (
     ROOT_HASH,
     BlockHash,
     hash_block,
     hash_block_chain,
     hash_namespace,
 )
+from pdserve.common.kv_events import KVEvent, KVEventKind
+from pdserve.deploy.redis_server import EmbeddedRedis
 from pdserve.router.placement import Placer
 
 BLOCK_SIZE = 16  # ClusterConfig's default; only the prefill cost's token count uses it

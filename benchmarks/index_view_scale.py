@@ -44,7 +44,7 @@ from pdserve.benchmarks.machine import print_machine
 from pdserve.cluster.config import PlacementWeights
 from pdserve.cluster.index_view import IndexView
 from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
-from pdserve.engine.hashing import hash_block_chain, hash_namespace
+from pdserve.common.hashing import hash_block_chain, hash_namespace
 from pdserve.router.placement import Placer
 
 BLOCK_SIZE = 16

@@ -227,8 +227,8 @@ def bench_decode(suite: Suite, copy_bw: float) -> None:
 
 def bench_decode_kv8(suite: Suite, copy_bw: float) -> None:
     """Decode attention over an 8-bit cache against the reference over its dequantized
-    values: the same model an 8-bit cache serves (engine/kv_quant.py)."""
-    from pdserve.engine import kv_quant
+    values: the same model an 8-bit cache serves (engine/modeling/kv_quant.py)."""
+    from pdserve.engine.modeling import kv_quant
     from pdserve.kernels.paged_decode_attention import (
         paged_decode_attention,
         ref_paged_decode_attention,
@@ -356,7 +356,7 @@ def bench_kv_pack(suite: Suite, copy_bw: float) -> None:
 
 def bench_reshape_and_cache(suite: Suite) -> None:
     """The cache writes, in the model's dtype and as 8-bit rows, byte for byte."""
-    from pdserve.engine import kv_quant
+    from pdserve.engine.modeling import kv_quant
     from pdserve.kernels.reshape_and_cache import ref_reshape_and_cache, reshape_and_cache
 
     tokens = suite.shapes([4096], [20])[0]
@@ -400,8 +400,8 @@ def bench_rms_norm(suite: Suite) -> None:
 
 
 def bench_rotary(suite: Suite) -> None:
-    from pdserve.engine.model_config import RopeConfig
-    from pdserve.engine.rotary import cos_sin_cache
+    from pdserve.common.model_config import RopeConfig
+    from pdserve.engine.modeling.rotary import cos_sin_cache
     from pdserve.kernels.rotary_embedding import ref_rotary_embedding, rotary_embedding
 
     dev = suite.device

@@ -284,7 +284,7 @@ def main() -> int:
     parser.add_argument("--layout", default="small", help=argparse.SUPPRESS)
     parser.add_argument("--sizes-bytes", type=int, nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    tune_malloc()  # as the worker processes do (cluster/replica.py)
+    tune_malloc()  # as the worker processes do (runtime/replica.py)
     if args.raw_receiver:
         raw_tcp_receiver(args.sizes_bytes[0], args.repeats)
         return 0

@@ -56,7 +56,7 @@ def parse_delay(text: str) -> float:
 
 def model_folder(out: Path, tokens: int, mib: float) -> Path:
     """A config-only Llama whose `tokens`-token prompt holds about `mib` MiB of float32 KV."""
-    from pdserve.engine.dummy_model import ConfigShape, write_config_only_model
+    from pdserve.demo.dummy import ConfigShape, write_config_only_model
 
     kv_heads, head_dim = 4, 32
     per_layer_token = 2 * kv_heads * head_dim * 4  # K and V, float32

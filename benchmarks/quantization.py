@@ -70,8 +70,11 @@ from pdserve.benchmarks.engine_throughput import (
 )
 from pdserve.benchmarks.machine import print_machine
 from pdserve.benchmarks.tp_scaling import markdown_table
-from pdserve.engine import LLM, LLMEngine, SamplingParams, cpu_kernels, kv_quant
-from pdserve.engine.attention import (
+from pdserve.demo.model import write_random_model
+from pdserve.engine import LLM, LLMEngine, SamplingParams
+from pdserve.engine.cpu import kernels as cpu_kernels
+from pdserve.engine.modeling import kv_quant
+from pdserve.engine.modeling.attention import (
     AttentionBackend,
     AttentionMetadata,
     CpuAttentionBackend,
@@ -81,7 +84,6 @@ from pdserve.engine.attention import (
     PrefillMeta,
     TorchAttentionBackend,
 )
-from pdserve.engine.demo_model import write_random_model
 
 BASELINE = "bf16"
 # Each variant: EngineConfig overrides on top of `base_config`. A new setting (an 8-bit

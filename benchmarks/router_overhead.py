@@ -44,8 +44,8 @@ import numpy as np
 
 from pdserve.benchmarks.machine import print_machine
 from pdserve.cluster.config import ClusterConfig, Mode
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port
-from pdserve.engine.sampling_params import SamplingParams
 
 HOST = "127.0.0.1"
 DECODE_DEPLOYMENT = "Decode"  # the name `deploy/app.py` gives the decode pool
@@ -332,7 +332,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
-    from pdserve.engine.demo_model import resolve_model
+    from pdserve.demo.model import resolve_model
 
     mode: Mode = args.mode
     return ClusterConfig(

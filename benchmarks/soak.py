@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
-    from pdserve.engine.demo_model import resolve_model
+    from pdserve.demo.model import resolve_model
 
     args.model = str(resolve_model(args.model))
     flags = [

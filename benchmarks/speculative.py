@@ -60,10 +60,10 @@ import torch
 
 from pdserve.benchmarks.engine_throughput import MODELS, build_checkpoint
 from pdserve.benchmarks.machine import print_machine
+from pdserve.demo.model import write_random_model
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.demo_model import write_random_model
-from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative import BatchProposer, Proposer, SpecStats
+from pdserve.engine.sched.sequence import Sequence
+from pdserve.engine.spec_decode.proposer import BatchProposer, Proposer, SpecStats
 
 _ids = itertools.count()
 

@@ -79,10 +79,10 @@ from pdserve.cluster.messages import (
     OutputItem,
     SubmitReply,
 )
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.decode_worker.channels import Batch, Channels
 from pdserve.deploy.app import SERVE_ENV, apply_serve_env
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port
-from pdserve.engine.sampling_params import SamplingParams
 
 HOST = "127.0.0.1"
 PROMPT = [5 + i for i in range(16)]  # token ids past the 5 special tokens of the demo vocab
@@ -331,7 +331,7 @@ def running_cluster(args: argparse.Namespace) -> Iterator[tuple[str, ClusterConf
     import ray
     from ray.serve.schema import LoggingConfig
 
-    from pdserve.engine.demo_model import write_random_model
+    from pdserve.demo.model import write_random_model
 
     port = args.port or free_port(HOST)
     with contextlib.ExitStack() as stack:

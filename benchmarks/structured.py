@@ -42,9 +42,10 @@ import torch
 from pdserve.benchmarks.engine_throughput import MODELS, build_checkpoint
 from pdserve.benchmarks.machine import print_machine
 from pdserve.benchmarks.structured_schemas import largest_schema
+from pdserve.common.grammar import GrammarSpec
+from pdserve.demo.model import write_random_model
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.demo_model import write_random_model
-from pdserve.engine.grammar import GrammarCompiler, GrammarSpec
+from pdserve.engine.grammar import GrammarCompiler
 
 _ids = itertools.count()
 

@@ -6,7 +6,7 @@ of each step, and each rank's memory, in one run.
 
 Without `--model`, a mid-sized Llama shape (hidden 1024, 8 layers, 16 heads, 4 KV heads,
 intermediate 2816, vocabulary 32000: ~156M parameters) is written without weights
-(`engine/dummy_model.py`) and each rank makes random weights for its shard
+(`demo/dummy.py`) and each rank makes random weights for its shard
 (`load_format="dummy"`). For each TP size and batch the engine prefills `batch` prompts
 of `--prompt-len` random tokens, then times `--steps` decode steps (`engine.step()`; the
 median, and the mean that the all-reduce share is taken of). The all-reduce time is what
@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.benchmarks.machine import print_machine
+from pdserve.demo.dummy import TINY, ConfigShape, write_config_only_model
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.dummy_model import TINY, ConfigShape, write_config_only_model
-from pdserve.engine.parallel import ParallelStats
+from pdserve.engine.worker.parallel import ParallelStats
 
 MID = ConfigShape(
     vocab_size=32000,
@@ -205,7 +205,7 @@ def main() -> None:
     print_machine()  # the CPU and its flags, with every figure
     args = parse_args()
     if args.model is not None:
-        from pdserve.engine.model_config import load_model_config
+        from pdserve.common.model_config import load_model_config
 
         vocab = min(load_model_config(args.model).vocab_size, 512)
         print(f"model {args.model}; batches {args.batches}; {args.steps} decode steps")

@@ -2,5 +2,5 @@
 prefix index and a worker's membership in it, and the worker replica base.
 
 Importing `pdserve.cluster.config` or `pdserve.cluster.prefix_index` never imports torch
-(the router relies on it); `pdserve.cluster.replica` does.
+(the router relies on it); `pdserve.runtime.replica` does.
 """

@@ -54,7 +54,7 @@ from pdserve.cluster.settings import (  # re-exported: the configuration's own n
     parse_cpu_set,
     redact_url,
 )
-from pdserve.engine.config import (
+from pdserve.common.engine_config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     AttentionBackendName,
     DType,
@@ -64,9 +64,9 @@ from pdserve.engine.config import (
     Quantization,
     engine_field,
 )
-from pdserve.engine.errors import EngineError
-from pdserve.engine.model_config import ModelConfig, load_model_config, tensor_parallel_problems
-from pdserve.engine.speculative import SpeculativeConfig, check_draft_checkpoint
+from pdserve.common.errors import EngineError
+from pdserve.common.model_config import ModelConfig, load_model_config, tensor_parallel_problems
+from pdserve.common.speculative import SpeculativeConfig, check_draft_checkpoint
 from pdserve.kv_transfer.tls import TLSConfig
 
 
@@ -739,7 +739,7 @@ class ClusterConfig(BaseModel):
     def rank_bundle(self, role: str) -> dict[str, float]:
         """The placement-group bundle of one rank of a `role` replica (TP > 1): the Ray
         resources a replica asks for without TP, zero-valued ones left out. Bundle 0 holds
-        the Serve replica itself (rank 0), bundle r rank r (cluster/tp_ranks.py)."""
+        the Serve replica itself (rank 0), bundle r rank r (runtime/tp_ranks.py)."""
         bundle = {
             "CPU": self.replica_num_cpus,
             "GPU": self.replica_num_gpus,
@@ -804,7 +804,7 @@ class ClusterConfig(BaseModel):
             )
         try:
             mc = load_model_config(Path(self.model))
-            from pdserve.engine.tokenizer import Tokenizer
+            from pdserve.common.tokenizer import Tokenizer
 
             Tokenizer(Path(self.model))
         except EngineError as exc:
@@ -908,7 +908,7 @@ def _check_kv_pool(cfg: ClusterConfig, mc: ModelConfig, tp: int = 1) -> None:
     kv_heads = 1 if tp > mc.num_kv_heads else mc.num_kv_heads // tp
     per_token = mc.kv_bytes_per_token // mc.num_kv_heads * kv_heads
     block_bytes = cfg.block_size * per_token * _ITEMSIZE.get(dtype, 4) // 4
-    if cfg.kv_cache_dtype != "auto":  # engine/kv_quant.py: rows of head_dim + 2 bytes
+    if cfg.kv_cache_dtype != "auto":  # engine/modeling/kv_quant.py: rows of head_dim + 2 bytes
         block_bytes = cfg.block_size * 2 * mc.num_layers * kv_heads * (mc.head_dim + 2)
     if cfg.num_kv_blocks is not None:
         num_blocks, field = cfg.num_kv_blocks, "num_kv_blocks"

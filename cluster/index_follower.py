@@ -46,7 +46,7 @@ from pdserve.cluster.prefix_index import (
     WorkerInfo,
     split_member,
 )
-from pdserve.engine.hashing import BlockHash
+from pdserve.common.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 

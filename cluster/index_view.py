@@ -26,8 +26,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
-from pdserve.engine.block_pool import KVEvent, KVEventKind
-from pdserve.engine.hashing import BlockHash
+from pdserve.common.hashing import BlockHash
+from pdserve.common.kv_events import KVEvent, KVEventKind
 
 Holders = int | tuple[int, ...]
 _INTERN_LIMIT = 1 << 16

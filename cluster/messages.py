@@ -11,7 +11,7 @@ The decode worker (`decode_worker/deployment.py`) answers a submit with `Accepte
 token channel, then sends one `OutputItem` per engine step that produced tokens (the
 first carries `FirstItemExtras`) or one `ErrorItem`. The prefill worker answers a
 prefill call with a `PrefillReport`. Both report their load as `LoadReport`: its index
-gauges (each heartbeat, `cluster/index_member.py`) and the exact state `/workers` asks for.
+gauges (each heartbeat, `runtime/index_member.py`) and the exact state `/workers` asks for.
 
 The handles are `Protocol`s over what the router calls (`DecodeHandle`,
 `PrefillHandle`): a Ray Serve `DeploymentHandle` in a cluster, an in-process fake in the

@@ -57,8 +57,8 @@ from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 
-from pdserve.engine.block_pool import KVEvent, KVEventKind
-from pdserve.engine.hashing import BlockHash
+from pdserve.common.hashing import BlockHash
+from pdserve.common.kv_events import KVEvent, KVEventKind
 
 __all__ = [
     "ROLES",

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pdserve.engine.config import DType, KVCacheDtype, LoadFormat, Quantization, engine_field
+from pdserve.common.engine_config import DType, KVCacheDtype, LoadFormat, Quantization, engine_field
 from pdserve.kv_transfer.tls import TLSConfig
 
 Mode = Literal["disagg", "colocated"]

@@ -52,11 +52,10 @@ from pdserve.cluster.messages import (
     OutputItem,
     SubmitReply,
 )
-from pdserve.cluster.replica import WorkerReplica, resolve_transfer_host
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.decode_worker.channels import Batch, Channel, Channels
 from pdserve.decode_worker.worker import DecodeWorker, choice_index
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_receiver
 from pdserve.kv_transfer.base import ReceiverConfig
 from pdserve.kv_transfer.errors import (
@@ -66,6 +65,7 @@ from pdserve.kv_transfer.errors import (
     UnknownRequestError,
 )
 from pdserve.kv_transfer.torch_payload import layout_of
+from pdserve.runtime.replica import WorkerReplica, resolve_transfer_host
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +96,10 @@ class DecodeServer(WorkerReplica):
         )
         tls = cfg.transfer_tls()
         receiver = make_receiver(cfg.transport, receiver_config, tls=tls)
-        # tensor parallel: every rank receives its own KV heads (cluster/tp_ranks.py)
+        # tensor parallel: every rank receives its own KV heads (runtime/tp_ranks.py)
         ranks = start_ranks = None
         if self.rank_launcher is not None:
-            from pdserve.cluster.tp_ranks import RankReceivers
+            from pdserve.runtime.tp_ranks import RankReceivers
 
             ranks = RankReceivers(self.rank_launcher.actors, engine.kv_head_ranges())
             start_ranks = functools.partial(ranks.start, cfg.transport, receiver_config, tls)

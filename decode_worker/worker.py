@@ -17,19 +17,19 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pdserve.common.hashing import hash_block_chain
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
-from pdserve.engine.hashing import hash_block_chain
-from pdserve.engine.kv_handoff import KVImportError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.engine.sched.sequence import TokenLogprobs
+from pdserve.engine.worker.kv_handoff import KVImportError
 from pdserve.kv_transfer.base import KVReceiver, ReceivedKV
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.kv_transfer.torch_payload import received_tensors
 
 if TYPE_CHECKING:  # ray is imported only where ranks are actors
-    from pdserve.cluster.tp_ranks import RankReceivers
+    from pdserve.runtime.tp_ranks import RankReceivers
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class DecodeWorker:
         ranks: RankReceivers | None = None,
     ) -> None:
         """`ranks`: a tensor-parallel replica's other ranks, each with its own receiver
-        for its own KV heads (cluster/tp_ranks.py); `receiver` is rank 0's."""
+        for its own KV heads (runtime/tp_ranks.py); `receiver` is rank 0's."""
         self.engine = engine
         self.receiver = receiver
         self.ranks = ranks
@@ -218,7 +218,7 @@ class DecodeWorker:
             return first
 
         # the import is done with the received buffer once `start` has run (a pinned copy
-        # goes on on its own: engine/kv_staging.py), so the buffer can go back then
+        # goes on on its own: engine/worker/kv_staging.py), so the buffer can go back then
         release = received.release if received is not None else None
         # coalesce: a stream that falls behind sends several tokens per message
         if n == 1:

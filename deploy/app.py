@@ -16,7 +16,7 @@ Serve config (`serve deploy`'s schema), which `pdserve up` and `pdserve deploy` 
 
 A pool of TP > 1 (`prefill_tp`, `decode_tp`) gets a placement group per replica: one
 bundle per rank (`ClusterConfig.rank_bundle`), the Serve replica itself in bundle 0 as
-rank 0, the other ranks started by its engine in bundles 1.. (cluster/tp_ranks.py), all
+rank 0, the other ranks started by its engine in bundles 1.. (runtime/tp_ranks.py), all
 on one node (STRICT_PACK). A pool of TP 1 asks for no placement group.
 """
 
@@ -71,7 +71,7 @@ def pool_shutdown_timeout_s(cfg: ClusterConfig) -> float:
     """Serve's wait for a stopping worker replica: a scale-down lets its streams finish
     (POOL_DRAIN_S); when the cluster stops, its channels end as the routers' streams do
     (their grace, then the error events), and it then leaves the index and stops its
-    engine (cluster/replica.py `shutdown`)."""
+    engine (runtime/replica.py `shutdown`)."""
     return max(POOL_DRAIN_S, cfg.shutdown_grace_s + 10.0)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.errors import EngineError
+from pdserve.common.errors import EngineError
 
 # `pdserve bench`'s parser and command (benchmarks/bench_args.py).
 BENCH_ARGS = "pdserve.benchmarks.bench_args"
@@ -54,7 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from pdserve.engine.demo_model import EXPECTED_TRAIN_S, copy_demo_model, write_demo_model
+    from pdserve.demo.model import EXPECTED_TRAIN_S, copy_demo_model, write_demo_model
 
     if args.seed is None:  # the demo every `--model` default serves: trained once, cached
         path = copy_demo_model(args.dir)
@@ -150,9 +150,9 @@ def _up_with(args: argparse.Namespace, signals: StopSignals) -> int:
         for name, value in direct_ingress_env(args.port, replicas, args.ingress_drain_s).items():
             os.environ.setdefault(name, value)
 
+    from pdserve.demo.model import resolve_model
     from pdserve.deploy.stopping import stop_budget_s
     from pdserve.deploy.up import run_up
-    from pdserve.engine.demo_model import resolve_model
 
     external_redis = "redis_url" in fields
     fields.setdefault("redis_url", "")  # "": run_up starts an embedded one
@@ -270,7 +270,7 @@ def _absolute_draft(spec: str | None) -> str | None:
     replicas do not run in this directory. Anything else as given (the config checks it)."""
     if spec is None or spec.strip().partition(":")[0].strip() != "draft":
         return spec
-    from pdserve.engine.demo_model import resolve_model
+    from pdserve.demo.model import resolve_model
 
     method, _, rest = spec.strip().partition(":")
     path, comma, options = rest.partition(",")

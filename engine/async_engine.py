@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
-from pdserve.engine.block_pool import KVEvent
+from pdserve.common.kv_events import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput, merge_outputs
 

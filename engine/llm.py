@@ -7,10 +7,11 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any, cast
 
-from pdserve.engine.config import EngineConfig
+from pdserve.common.engine_config import EngineConfig
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.demo.model import resolve_model
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 
 Prompt = str | Seq[int]
 
@@ -28,7 +29,7 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, **config: Any) -> None:
-        self.engine = LLMEngine(model, EngineConfig(**config))
+        self.engine = LLMEngine(resolve_model(model), EngineConfig(**config))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -18,21 +18,43 @@ from typing import Any
 
 import torch
 
-from pdserve.engine import cpu_kernels
-from pdserve.engine.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
-from pdserve.engine.block_pool import BlockPool, KVEvent, KVEventKind
-from pdserve.engine.config import (
+from pdserve.common.engine_config import (
     EngineConfig,
     default_num_threads,
 )
-from pdserve.engine.cuda_graphs import cuda_graphs_enabled
-from pdserve.engine.demo_model import resolve_model
-from pdserve.engine.draft import DraftProposer
-from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
+from pdserve.common.errors import InvalidRequestError, PromptTooLongError
+from pdserve.common.hashing import hash_namespace
+from pdserve.common.kv_events import KVEvent, KVEventKind
+from pdserve.common.model_config import ModelConfig, load_model_config
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.engine.cpu import kernels as cpu_kernels
 from pdserve.engine.grammar import GrammarCompiler
-from pdserve.engine.hashing import hash_namespace
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_handoff import (
+from pdserve.engine.modeling.attention import (
+    AttentionBackend,
+    CpuAttentionBackend,
+    TorchAttentionBackend,
+)
+from pdserve.engine.modeling.linear import Int8Linear
+from pdserve.engine.modeling.llama import LlamaModel, load_model
+from pdserve.engine.outputs import RequestOutput, TextTracker, make_output
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sched.block_pool import BlockPool
+from pdserve.engine.sched.kv_cache_manager import KVCacheManager
+from pdserve.engine.sched.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from pdserve.engine.sched.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
+from pdserve.engine.sched.step_cost import StepCostModel
+from pdserve.engine.spec_decode.draft import DraftProposer
+from pdserve.engine.spec_decode.proposer import (
+    BatchProposer,
+    Proposer,
+    SpecPolicy,
+    SpecStats,
+    check_draft_checkpoint,
+    make_proposer,
+)
+from pdserve.engine.worker.cuda_graphs import cuda_graphs_enabled
+from pdserve.engine.worker.kv_handoff import (
     HeadRange,
     KVExport,
     KVImportError,
@@ -41,18 +63,14 @@ from pdserve.engine.kv_handoff import (
     export_ranges,
     import_prefilled,
 )
-from pdserve.engine.kv_pool_sizing import KVPoolSizing
-from pdserve.engine.kv_staging import KVStaging
-from pdserve.engine.linear import Int8Linear
-from pdserve.engine.memory_profile import (
+from pdserve.engine.worker.kv_pool_sizing import KVPoolSizing
+from pdserve.engine.worker.kv_staging import KVStaging
+from pdserve.engine.worker.memory_profile import (
     MemoryProfile,
     MemoryReader,
 )
-from pdserve.engine.model import LlamaModel, load_model
-from pdserve.engine.model_config import ModelConfig, load_model_config
-from pdserve.engine.model_runner import ModelRunner, StepResult, allocate_kv_cache
-from pdserve.engine.outputs import RequestOutput, TextTracker, make_output
-from pdserve.engine.parallel import (
+from pdserve.engine.worker.model_runner import ModelRunner, StepResult, allocate_kv_cache
+from pdserve.engine.worker.parallel import (
     CollectiveTimes,
     ParallelStats,
     RankMemory,
@@ -60,21 +78,7 @@ from pdserve.engine.parallel import (
     TPShard,
     check_tensor_parallel,
 )
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
-from pdserve.engine.speculative import (
-    BatchProposer,
-    Proposer,
-    SpecPolicy,
-    SpecStats,
-    check_draft_checkpoint,
-    make_proposer,
-)
-from pdserve.engine.step_cost import StepCostModel
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.tp_worker import RankLauncher, TPWorkers
+from pdserve.engine.worker.tp_worker import RankLauncher, TPWorkers
 from pdserve.kernels import _variants
 
 logger = logging.getLogger(__name__)
@@ -95,7 +99,7 @@ def make_attention_backend(
     kv_cache_dtype: str = "auto",
 ) -> AttentionBackend:
     """`auto`: Triton on CUDA when installed; on CPU the compiled decode kernel when it
-    builds here and takes `dtype` and `kv_cache_dtype` (`engine/cpu_kernels.py`), else
+    builds here and takes `dtype` and `kv_cache_dtype` (`engine/cpu/kernels.py`), else
     the torch path."""
     if name == "triton" and device.type != "cuda" and not interpreting_triton():
         raise ValueError(
@@ -104,7 +108,7 @@ def make_attention_backend(
         )
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
-            from pdserve.engine.triton_backend import TritonAttentionBackend
+            from pdserve.engine.modeling.triton_backend import TritonAttentionBackend
         except ImportError:
             if name == "triton":
                 raise
@@ -162,7 +166,7 @@ def _with_threads(config: EngineConfig) -> EngineConfig:
 class LLMEngine:
     def __init__(
         self,
-        model: str | Path | None,
+        model: str | Path,
         config: EngineConfig | None = None,
         *,
         memory_reader: MemoryReader | None = None,
@@ -172,22 +176,22 @@ class LLMEngine:
         by default torch.cuda's on CUDA, and none on CPU (the pool is not measured there).
         A reader given on CPU makes the engine measure as on CUDA (tests).
         `rank_launcher`: how tensor-parallel ranks 1.. start; required with
-        `distributed_executor_backend="ray"` (the cluster's, cluster/tp_ranks.py), local
+        `distributed_executor_backend="ray"` (the cluster's, runtime/tp_ranks.py), local
         processes by default."""
         config = _with_threads(config or EngineConfig())
         self.config = config
         assert config.num_threads is not None
         torch.set_num_threads(config.num_threads)
-        self.model_dir = resolve_model(model)
+        self.model_dir = Path(model).expanduser()
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         # Speculative decoding with a draft model: its folder checked before any weight
-        # loads (engine/speculative.py, check_draft_checkpoint).
+        # loads (engine/spec_decode/proposer.py, check_draft_checkpoint).
         spec = config.speculative_config
         self.draft_dir: Path | None = None
         self.draft_config: ModelConfig | None = None
         if spec is not None and spec.draft_model is not None:
-            self.draft_dir = resolve_model(spec.draft_model)
+            self.draft_dir = Path(spec.draft_model).expanduser()
             self.draft_config = check_draft_checkpoint(
                 self.draft_dir, self.model_config, self.model_dir
             )
@@ -204,7 +208,7 @@ class LLMEngine:
         if tp > 1 and config.distributed_executor_backend == "ray" and rank_launcher is None:
             raise ValueError(
                 'distributed_executor_backend="ray" needs the cluster\'s rank launcher'
-                ' (cluster/tp_ranks.py); offline, use "mp"'
+                ' (runtime/tp_ranks.py); offline, use "mp"'
             )
         # Tensor parallel: this process is rank 0 (the driver) and holds shard 0.
         self._shard = TPShard(self.model_config, 0, tp) if tp > 1 else None
@@ -409,7 +413,7 @@ class LLMEngine:
 
     def _make_proposer(self) -> Proposer | BatchProposer | None:
         """Speculative decoding's proposer: prompt lookup, or the draft model over a KV
-        cache of its own shape with the pool's blocks (engine/draft.py)."""
+        cache of its own shape with the pool's blocks (engine/spec_decode/draft.py)."""
         cfg = self.config
         spec = cfg.speculative_config
         if spec is None:
@@ -620,7 +624,7 @@ class LLMEngine:
         (None: one part of all this rank's heads). With tensor parallelism the other ranks
         pack their own parts into their `RankKVStore`s (their transports send them).
         On CUDA the copy to host may still run: `wait()` for it off the event loop, and
-        `release()` the export once its payload is sent (engine/kv_staging.py).
+        `release()` the export once its payload is sent (engine/worker/kv_staging.py).
         """
         seq = self._held.get(request_id)
         if seq is None:
@@ -800,7 +804,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        if len(self.kv_staging.imports):  # KV still copying in (engine/kv_staging.py)
+        if len(self.kv_staging.imports):  # KV still copying in (engine/worker/kv_staging.py)
             self.kv_staging.await_imports(
                 {b.block_id for item in sched_out.scheduled for b in item.seq.blocks}
             )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from pdserve.engine.sequence import FinishReason, Sequence, TokenLogprobs
-from pdserve.engine.tokenizer import IncrementalDecoder, Tokenizer
+from pdserve.common.tokenizer import IncrementalDecoder, Tokenizer
+from pdserve.engine.sched.sequence import FinishReason, Sequence, TokenLogprobs
 
 
 @dataclass

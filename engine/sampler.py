@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.sched.sequence import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """The 8-bit KV cache format in Triton: row scales, code encode/decode, launcher checks.
 
-The format is the engine's (engine/kv_quant.py; kernels/ is a leaf and does not import
-it, so its constants are restated here and tests pin the two together): a cache row, one
-token of one KV head, is `D + 2` bytes,
+The format is the engine's (engine/modeling/kv_quant.py; its constants are
+pdserve/common/kv_format.py): a cache row, one token of one KV head, is `D + 2` bytes,
 
     [ D codes (int8, or float8 e4m3fn bits) | scale (bfloat16, little-endian) ]
 
@@ -32,12 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-# EngineConfig.kv_cache_dtype -> the kernels' KV_QUANT constant (0: a cache of q's dtype)
-KV_QUANT = {"auto": 0, "int8": 1, "fp8": 2}
-SCALE_BYTES = 2
-QMAX = {1: 127.0, 2: 448.0}
-# bfloat16's smallest normal, the floor of a scale: an all-zero row's codes are then 0
-MIN_SCALE = 2.0**-126
+from pdserve.common.kv_format import KV_QUANT, MIN_SCALE, SCALE_BYTES
+from pdserve.common.kv_format import QMAX as _QMAX_OF_DTYPE
+
+# KV_QUANT constant -> its largest code
+QMAX = {KV_QUANT[name]: qmax for name, qmax in _QMAX_OF_DTYPE.items()}
 # (constants a jit function reads must be tl.constexpr)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 # 1.5 * 2^23: (x + _ROUND) - _ROUND rounds |x| < 2^22 to an integer, ties to even
@@ -132,7 +130,7 @@ def e4m3_bits(v):  # type: ignore[no-untyped-def]
 def quantize_rows(x, KV_QUANT: tl.constexpr):  # type: ignore[no-untyped-def]
     """float32 rows `x` [R, BLOCK_D] (columns past head_dim zero) -> (codes [R, BLOCK_D]
     uint8, scale bits [R] uint32 holding the bfloat16 in the low 16 bits), rounded as
-    engine/kv_quant.py's `quantize`: IEEE divisions (`div_rn`: a GPU's `/` may be
+    engine/modeling/kv_quant.py's `quantize`: IEEE divisions (`div_rn`: a GPU's `/` may be
     approximate), the int8 rounding ties to even like torch's `round`."""
     qmax = 127.0 if KV_QUANT == 1 else 448.0
     amax = tl.max(tl.abs(x), axis=1)

@@ -26,7 +26,7 @@ receiver scatters buffer block i into its own block id for that position.
 
 Both directions are a pure byte copy: the kernel moves the bits through an integer view of the
 same item size, so any dtype works (fp32, fp16, bf16, fp8) and NaN payloads survive unchanged;
-an 8-bit KV cache (engine/kv_quant.py: uint8 rows of codes and their scale) moves as bytes,
+an 8-bit KV cache (engine/modeling/kv_quant.py: uint8 rows of codes and their scale) moves as bytes,
 its scales inside their blocks.
 
 Limits: both sides must agree on dtype and on (num_layers, num_kv_heads, block_size, head_dim);

@@ -5,10 +5,10 @@ What it computes: for each sequence b and query head h,
 where K_b, V_b are the first `context_lens[b]` tokens of sequence b, found through its
 block table (the GQA order of transformers' `repeat_kv`).
 
-Memory layout (one layer, the engine's convention, see `engine/attention.py`):
+Memory layout (one layer, the engine's convention, see `engine/modeling/attention.py`):
     q             [B, H, D]                  fp16 / bf16 / fp32, any strides
     k/v_cache     [num_blocks, KVH, block_size, D], same dtype as q, any strides;
-                  or 8-bit (`kv_cache_dtype` "int8" / "fp8", engine/kv_quant.py):
+                  or 8-bit (`kv_cache_dtype` "int8" / "fp8", engine/modeling/kv_quant.py):
                   [num_blocks, KVH, block_size, D + 2] uint8 rows, D codes + a bf16 scale
     block_tables  [B, max_blocks] int32      entries past a sequence's end may be any
                                              valid block id (never read)
@@ -284,7 +284,7 @@ def paged_decode_attention(
             context the block tables can describe (no device sync), a power of two up to
             32 (`_auto_num_splits`); 1 disables split-K.
         kv_cache_dtype: "auto" (the cache holds q's dtype), or "int8" / "fp8": rows of
-            D codes and their bfloat16 scale (engine/kv_quant.py).
+            D codes and their bfloat16 scale (engine/modeling/kv_quant.py).
 
     Returns:
         [B, H, D] in q's dtype.

@@ -10,10 +10,10 @@ attends to keys j <= N - Q + i:
 attention; a prefix hit or a chunk in the middle of a prompt (N > Q) sees the whole
 prefix.
 
-Memory layout (one layer, the engine's convention, see `engine/attention.py`):
+Memory layout (one layer, the engine's convention, see `engine/modeling/attention.py`):
     q                [T, H, D]             fp16 / bf16 / fp32, any strides; T = sum of Q
     k/v_cache        [num_blocks, KVH, block_size, D], same dtype as q, any strides;
-                     or 8-bit (`kv_cache_dtype` "int8" / "fp8", engine/kv_quant.py):
+                     or 8-bit (`kv_cache_dtype` "int8" / "fp8", engine/modeling/kv_quant.py):
                      [num_blocks, KVH, block_size, D + 2] uint8 rows, D codes + a bf16 scale
     block_tables     [S, max_blocks] int32 entries past a sequence's end are never read
     query_start_loc  [S + 1] int32         cumulative query lengths, starting at 0
@@ -29,7 +29,7 @@ dots); prefix tiles could skip it, a possible optimisation. K/V are re-read once
 query head of a GQA group: prefill is compute-bound, so this trades a little bandwidth
 for a simple grid. An 8-bit cache is dequantized as it is read, as in the decode kernel
 (kernels/paged_decode_attention.py, kernels/_kv8.py): the chunk's own new tokens too, read
-back from the cache, so they are seen as the cache holds them (engine/kv_quant.py).
+back from the cache, so they are seen as the cache holds them (engine/modeling/kv_quant.py).
 
 Limits: D <= 256 (padded to a power of two >= 16 and masked, so 40, 80, 96 work); any
 block size (tested with powers of two); exp2 with log2(e) folded into the scale. fp32
@@ -204,7 +204,7 @@ def paged_prefill_attention(
         max_query_len: the longest query length, if the caller knows it; None reads it
             from `query_start_loc` (one device sync).
         kv_cache_dtype: "auto" (the cache holds q's dtype), or "int8" / "fp8": rows of
-            D codes and their bfloat16 scale (engine/kv_quant.py).
+            D codes and their bfloat16 scale (engine/modeling/kv_quant.py).
 
     Returns:
         [T, H, D] in q's dtype.

@@ -5,7 +5,7 @@ What it computes, for every token t whose slot s = slot_mapping[t] is >= 0:
     k_cache[s // block_size, :, s % block_size, :] = k[t]
     v_cache[s // block_size, :, s % block_size, :] = v[t]
 
-or, with `kv_cache_dtype` "int8" / "fp8" (an 8-bit cache, engine/kv_quant.py), the rows
+or, with `kv_cache_dtype` "int8" / "fp8" (an 8-bit cache, engine/modeling/kv_quant.py), the rows
 `quantize(k[t])`, `quantize(v[t])`: each (token, KV head) row's max |x|, its bfloat16
 scale, the D codes and the scale's two bytes, rounded exactly as kv_quant.quantize does
 (byte for byte: tests/kernels/test_reshape_and_cache.py).
@@ -170,7 +170,7 @@ def ref_reshape_and_cache(
     quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Torch reference (and the CPU path): the same in-place writes, by advanced indexing.
-    `quantize`: rows [..., D] -> 8-bit rows [..., D + 2] (engine/kv_quant.py's
+    `quantize`: rows [..., D] -> 8-bit rows [..., D + 2] (engine/modeling/kv_quant.py's
     `quantize`, which kernels/ may not import), for an 8-bit cache."""
     if quantize is not None:
         k, v = quantize(k), quantize(v)

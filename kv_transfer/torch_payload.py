@@ -16,7 +16,7 @@ DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 def layout_of(kv_cache: torch.Tensor, kv_cache_dtype: str = "auto") -> KVLayout:
     """Layout of an engine's cache [layers, 2, blocks, kv_heads, block_size, head_dim],
     or of an 8-bit one (`kv_cache_dtype` int8 or fp8: uint8 rows of head_dim + 2 bytes,
-    engine/kv_quant.py)."""
+    engine/modeling/kv_quant.py)."""
     num_layers, _, _, num_kv_heads, block_size, row = kv_cache.shape
     if kv_cache_dtype in QUANTIZED_ROW_EXTRA:
         if kv_cache.dtype != torch.uint8:
@@ -32,7 +32,7 @@ def payload_bytes(payload: torch.Tensor) -> np.ndarray:
     """A packed payload tensor (on CPU) as flat uint8 bytes, without a copy.
 
     Raises ValueError for a tensor on another device: an export reaches host memory
-    through the engine's KVStaging (engine/kv_staging.py), never through here.
+    through the engine's KVStaging (engine/worker/kv_staging.py), never through here.
     """
     if payload.device.type != "cpu":
         raise ValueError(

@@ -28,10 +28,10 @@ from opentelemetry.trace import Span, SpanKind
 
 from pdserve.cluster import tracing
 from pdserve.cluster.messages import LoadReport, PrefillReport
-from pdserve.cluster.replica import WorkerReplica
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_sender
 from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.runtime.replica import WorkerReplica
 
 
 class PrefillServer(WorkerReplica):
@@ -41,10 +41,10 @@ class PrefillServer(WorkerReplica):
     async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]
         super().__init__(config)
         cfg = self.config
-        # tensor parallel: every rank sends its own KV heads (cluster/tp_ranks.py)
+        # tensor parallel: every rank sends its own KV heads (runtime/tp_ranks.py)
         ranks = None
         if self.rank_launcher is not None:
-            from pdserve.cluster.tp_ranks import RankSenders
+            from pdserve.runtime.tp_ranks import RankSenders
 
             ranks = RankSenders(self.rank_launcher.actors)
             await ranks.start(cfg.transport, cfg.transfer_tls())

@@ -14,17 +14,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.cluster.kv_targets import send_parts, split_targets
 from pdserve.cluster.rate_meter import RateMeter
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
-from pdserve.engine.kv_handoff import KVExport
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker.kv_handoff import KVExport
 from pdserve.kv_transfer.base import KVSender, TransferStats
 from pdserve.kv_transfer.torch_payload import layout_of
+from pdserve.runtime.kv_targets import send_parts, split_targets
 
 if TYPE_CHECKING:  # ray is imported only where ranks are actors
-    from pdserve.cluster.tp_ranks import RankSenders
+    from pdserve.runtime.tp_ranks import RankSenders
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class PrefillWorker:
         ranks: RankSenders | None = None,
     ) -> None:
         """`ranks`: a tensor-parallel replica's other ranks, which send their own KV
-        heads (cluster/tp_ranks.py); this process sends rank 0's."""
+        heads (runtime/tp_ranks.py); this process sends rank 0's."""
         self.engine = engine
         self.ranks = ranks
         self.total_kv_heads = engine.engine.model_config.num_kv_heads

@@ -39,8 +39,8 @@ from pdserve.cluster.config import APIKeyDefaults, ClusterConfig
 from pdserve.cluster.messages import ClientItem
 from pdserve.cluster.prefix_index import WorkerInfo
 from pdserve.cluster.scheduling import SchedulingWatch, cluster_asks, read_cluster
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.router.core import Overloaded, RouterCore, ShuttingDown, UpstreamError
 from pdserve.router.draining import Drain, serve_app_status
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics

@@ -32,7 +32,7 @@ from pdserve.cluster.messages import (
     StreamItem,
     SubmitReply,
 )
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

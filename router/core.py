@@ -56,8 +56,8 @@ from pdserve.cluster.messages import (
     WorkerState,
 )
 from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
-from pdserve.engine.hashing import BlockHash, hash_block_chain, hash_namespace
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.hashing import BlockHash, hash_block_chain, hash_namespace
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.router.channels import ChannelStream, DecodeChannels
 from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s, past_bound

@@ -25,8 +25,8 @@ from opentelemetry.trace import Tracer
 from pdserve.cluster.config import ClusterConfig, model_app_name
 from pdserve.cluster.index_follower import PLACEMENT_SHORTLIST, IndexFollower
 from pdserve.cluster.prefix_index import PrefixIndex
-from pdserve.engine.model_config import load_model_config
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.common.model_config import load_model_config
+from pdserve.common.tokenizer import Tokenizer
 from pdserve.router.core import PrefixMatcher, RouterCore
 from pdserve.router.metrics import ModelMetrics, RouterMetrics
 from pdserve.router.tool_calls import tool_format

@@ -31,7 +31,7 @@ import dataclasses
 from typing import Any
 
 from pdserve.cluster.messages import OutputItem
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 
 def with_default_salt(params: SamplingParams, default: str | None) -> SamplingParams:

@@ -3,7 +3,7 @@
 A request's priority is its own `priority` field, else its API key's default, else 0.
 LARGER is MORE important (the opposite of vLLM, where a smaller number goes first). The
 workers serve the waiting queue by priority, then arrival, and preempt the least
-important sequence first (engine/scheduler.py); this module is the router's side.
+important sequence first (engine/sched/scheduler.py); this module is the router's side.
 
 The router sheds in two places: past `max_inflight_requests` admitted requests per
 router replica, and when every place that could prefill the prompt has more than

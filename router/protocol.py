@@ -63,9 +63,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, from_json
 
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.grammar import MAX_CHOICES, MAX_SOURCE_CHARS, GrammarSpec
-from pdserve.engine.sampling_params import (
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.grammar import MAX_CHOICES, MAX_SOURCE_CHARS, GrammarSpec
+from pdserve.common.sampling_params import (
     MAX_CACHE_SALT_LEN,
     MAX_LOGPROBS,
     MAX_STOP_STRING_LEN,

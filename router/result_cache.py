@@ -59,8 +59,8 @@ from redis.exceptions import RedisError
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.messages import ClientItem
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.speculative import SpeculativeConfig
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.speculative import SpeculativeConfig
 from pdserve.router.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)

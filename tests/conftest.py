@@ -36,13 +36,13 @@ import pytest
 import torch
 
 from pdserve.benchmarks.bench_report import sample, scrape_metrics
+from pdserve.demo.model import CACHE_DIR_ENV, default_model_dir, write_random_model
 from pdserve.deploy.redis_server import (
     drain,
     session_members,
     wait_for_line,
     wait_session_empty,
 )
-from pdserve.engine.demo_model import CACHE_DIR_ENV, default_model_dir, write_random_model
 
 # NOTE: `triton.jit` decides when a kernel module is imported whether kernels are compiled
 # or interpreted, so the switch is set here, before any test module can import
@@ -71,7 +71,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def _cpu_kernels_built() -> None:
     """Build the CPU decode kernel once, up front: every engine process (Ray replicas
     included) then loads it from the cache instead of each compiling it at start."""
-    from pdserve.engine import cpu_kernels
+    from pdserve.engine.cpu import kernels as cpu_kernels
 
     cpu_kernels.load()
 
@@ -80,7 +80,7 @@ def _cpu_kernels_built() -> None:
 def _one_torch_thread() -> Iterator[None]:
     """Explicit thread counts (docs/architecture.md, "Processes"): 2 OpenMP threads stall
     a busy 2-core box. OMP_NUM_THREADS=1 is what an engine told no count takes here
-    (engine/config.py, `default_num_threads`), in this process and in the commands tests
+    (common/engine_config.py, `default_num_threads`), in this process and in the commands tests
     start; tests/engine/test_threads.py unsets it to test the default itself."""
     import torch
 
@@ -261,7 +261,7 @@ def _build_checkpoint(out: Path, demo_dir: Path, **args: Any) -> None:
     demo_config = json.loads((demo_dir / "config.json").read_text())
     demo_generation = json.loads((demo_dir / "generation_config.json").read_text())
     if args["vocab_size"] != demo_config["vocab_size"]:  # a tokenizer of its own
-        from pdserve.engine.demo_model import write_random_tokenizer
+        from pdserve.demo.model import write_random_tokenizer
 
         out.mkdir(parents=True, exist_ok=True)
         write_random_tokenizer(out, args["vocab_size"])
@@ -332,7 +332,7 @@ def hf_greedy() -> HFGreedy:
     Runs without any eos (our requests set ignore_eos), in float32: the reference that
     every serving path's tokens must equal (docs/architecture.md, "The engine").
     `kv_cache_dtype="int8"` or `"fp8"`: with every K and V rounded through that 8-bit
-    format (`engine/kv_quant.py`) before attention, the model an 8-bit KV cache serves.
+    format (`engine/modeling/kv_quant.py`) before attention, the model an 8-bit KV cache serves.
     """
 
     def generate(
@@ -372,7 +372,7 @@ def _kv8_attention(kv_cache_dtype: str) -> str:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from pdserve.engine.kv_quant import fake_quantize
+    from pdserve.engine.modeling.kv_quant import fake_quantize
 
     name = f"pdserve_kv_{kv_cache_dtype}"
 

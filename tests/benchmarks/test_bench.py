@@ -42,8 +42,8 @@ from pdserve.benchmarks.bench_workloads import (
     load_trace,
 )
 from pdserve.benchmarks.machine import cpu_line, machine
+from pdserve.common.tokenizer import Tokenizer
 from pdserve.deploy.cli import main as cli_main
-from pdserve.engine.tokenizer import Tokenizer
 
 NUM_REQUESTS = 12
 RATE = 50.0  # req/s: all 12 within a fraction of a second

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from pdserve.engine.config import usable_cpus
+from pdserve.common.engine_config import usable_cpus
 
 
 def test_default_threads_benchmark_runs_each_setting_in_its_own_process() -> None:

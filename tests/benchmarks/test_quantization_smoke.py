@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from pdserve.benchmarks.quantization import kv_attention_times, kv_step_times, kv_table
-from pdserve.engine import cpu_kernels
+from pdserve.engine.cpu import kernels as cpu_kernels
 
 
 def _tables(stdout: str) -> dict[str, list[list[str]]]:

@@ -17,9 +17,9 @@ import redis.asyncio as aioredis
 
 from pdserve.cluster.index_follower import IndexFollower
 from pdserve.cluster.prefix_index import MatchResult, PrefixIndex, WorkerInfo
+from pdserve.common.hashing import hash_block_chain, hash_namespace
+from pdserve.common.kv_events import KVEvent, KVEventKind
 from pdserve.deploy.redis_server import EmbeddedRedis
-from pdserve.engine.block_pool import KVEvent, KVEventKind
-from pdserve.engine.hashing import hash_block_chain, hash_namespace
 from tests.router.fakes import in_loop
 
 pytestmark = pytest.mark.redis

@@ -8,11 +8,11 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
-from pdserve.cluster.index_member import IndexMember, LastKnownLoad
 from pdserve.cluster.prefix_index import KVFormatMismatchError, PrefixIndex, WorkerInfo
+from pdserve.common.hashing import BlockHash, hash_block_chain, hash_namespace
+from pdserve.common.kv_events import KVEvent, KVEventKind
 from pdserve.deploy.redis_server import free_port
-from pdserve.engine.block_pool import KVEvent, KVEventKind
-from pdserve.engine.hashing import BlockHash, hash_block_chain, hash_namespace
+from pdserve.runtime.index_member import IndexMember, LastKnownLoad
 
 MODEL = "demo-model"
 CHAIN = hash_block_chain(list(range(40)), 4, hash_namespace(MODEL))
@@ -225,7 +225,7 @@ def test_a_member_of_another_kv_format_fails_to_start_and_is_never_placed(
             assert await matched(index) == 0
             late.kv_format = "bfloat16/4"  # as if restarted with another format
             assert await index.deregister("w1")
-            with caplog.at_level(logging.ERROR, logger="pdserve.cluster.index_member"):
+            with caplog.at_level(logging.ERROR, logger="pdserve.runtime.index_member"):
                 async with asyncio.timeout(10):
                     while "not placed" not in caplog.text:
                         await asyncio.sleep(0.05)

@@ -17,9 +17,9 @@ import redis.asyncio as aioredis
 
 from pdserve.cluster.index_view import IndexView, block_key
 from pdserve.cluster.prefix_index import PrefixIndex, WorkerInfo
+from pdserve.common.hashing import hash_block_chain, hash_namespace
+from pdserve.common.kv_events import KVEvent, KVEventKind
 from pdserve.deploy.redis_server import EmbeddedRedis
-from pdserve.engine.block_pool import KVEvent, KVEventKind
-from pdserve.engine.hashing import hash_block_chain, hash_namespace
 
 NS = hash_namespace("m")
 

@@ -23,8 +23,8 @@ from pdserve.cluster.prefix_index import (
     ReapResult,
     WorkerInfo,
 )
-from pdserve.engine.block_pool import KVEvent, KVEventKind
-from pdserve.engine.hashing import BlockHash, hash_block_chain, hash_namespace
+from pdserve.common.hashing import BlockHash, hash_block_chain, hash_namespace
+from pdserve.common.kv_events import KVEvent, KVEventKind
 
 MODEL = "demo-model"
 BLOCK_SIZE = 4

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from pdserve.common.hashing import hash_block_chain
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.hashing import hash_block_chain
 from pdserve.kv_transfer.base import ReceiverConfig
 from pdserve.kv_transfer.errors import KVMismatchError
 from pdserve.kv_transfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender

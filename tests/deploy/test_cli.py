@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.demo_model import CACHE_DIR_ENV, DEMO_MODEL_VERSION
+from pdserve.demo.model import CACHE_DIR_ENV, DEMO_MODEL_VERSION
 
 TIMEOUT_S = 120
 

@@ -27,8 +27,8 @@ import pytest
 
 from pdserve.benchmarks.bench_report import sample, scrape_metrics
 from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.common.hashing import hash_block_chain, hash_namespace
 from pdserve.deploy.redis_server import EmbeddedRedis
-from pdserve.engine.hashing import hash_block_chain, hash_namespace
 
 pytestmark = pytest.mark.redis  # starts its own redis-server to read the index
 

@@ -41,7 +41,7 @@ CASES = {  # transport, prefill TP, decode TP, decode replicas, KV cache dtype
     "grpc-p1-d2, a rank killed": ("grpc", 1, 2, 2, "auto"),
 }
 # Bytes of one token of one KV head (head_dim 16): float32 values, or the 8-bit formats'
-# 16 codes and a 2-byte scale (engine/kv_quant.py).
+# 16 codes and a 2-byte scale (engine/modeling/kv_quant.py).
 ROW_BYTES = {"auto": 16 * 4, "int8": 16 + 2, "fp8": 16 + 2}
 
 

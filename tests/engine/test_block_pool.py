@@ -6,14 +6,14 @@ from collections.abc import Sequence
 
 import pytest
 
-from pdserve.engine.block_pool import (
+from pdserve.common.hashing import BlockHash, hash_block_chain, hash_namespace
+from pdserve.engine.sched.block_pool import (
     BlockPool,
     KVBlock,
     KVEvent,
     KVEventKind,
     NoFreeBlocksError,
 )
-from pdserve.engine.hashing import BlockHash, hash_block_chain, hash_namespace
 
 BLOCK_SIZE = 4
 NAMESPACE = hash_namespace("demo")

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdserve.common.errors import CheckpointError, UnsupportedModelError
+from pdserve.common.model_config import SUPPORTED_ARCHITECTURES, load_model_config
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.errors import CheckpointError, UnsupportedModelError
-from pdserve.engine.model_config import SUPPORTED_ARCHITECTURES, load_model_config
-from pdserve.engine.weights import iter_weights
+from pdserve.engine.modeling.weights import iter_weights
 
 # Small pool: these tests load many engines; the default sizing would allocate ~128 MB each.
 ENGINE_KWARGS: dict[str, Any] = {"num_kv_blocks": 32, "block_size": 16}

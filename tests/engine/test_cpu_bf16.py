@@ -1,4 +1,4 @@
-"""The bf16-weight C linear (engine/cpu_bf16.py, csrc/bf16_linear.c): exact sums of the
+"""The bf16-weight C linear (engine/cpu/bf16.py, csrc/bf16_linear.c): exact sums of the
 widened weights, and each output the same whatever the batch and the thread count."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine import cpu_bf16
+from pdserve.engine.cpu import bf16 as cpu_bf16
 
 KERNEL = cpu_bf16.load()
 pytestmark = pytest.mark.skipif(

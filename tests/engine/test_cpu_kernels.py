@@ -1,4 +1,4 @@
-"""The compiled CPU attention kernels (`engine/cpu_kernels.py`) against plain references.
+"""The compiled CPU attention kernels (`engine/cpu/kernels.py`) against plain references.
 
 Decode:
 The kernel reads K/V in place from their blocks; the reference gathers each sequence's
@@ -6,7 +6,7 @@ blocks and runs float32 softmax attention, one sequence at a time. Shapes cover 
 vector path (head_dim a multiple of 16, specialised and generic query-group sizes) and
 the scalar path (any other head_dim), partial and single-token contexts, block sizes
 below and above 16, and 1-3 threads, over caches of the query's dtype and 8-bit ones
-(engine/kv_quant.py: int8 and e4m3 codes, each row with its own scale), which the
+(engine/modeling/kv_quant.py: int8 and e4m3 codes, each row with its own scale), which the
 reference reads dequantized. The engine-level check runs the same greedy batch through
 the cpu and the torch backends.
 
@@ -25,8 +25,11 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.engine import LLM, SamplingParams, cpu_kernels, kv_quant
-from pdserve.engine.attention import (
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.cpu import kernels as cpu_kernels
+from pdserve.engine.llm_engine import make_attention_backend
+from pdserve.engine.modeling import kv_quant
+from pdserve.engine.modeling.attention import (
     AttentionMetadata,
     CpuAttentionBackend,
     DecodeMeta,
@@ -34,7 +37,6 @@ from pdserve.engine.attention import (
     PrefillMeta,
     TorchAttentionBackend,
 )
-from pdserve.engine.llm_engine import make_attention_backend
 
 KERNELS = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler: kernels not built")

@@ -1,4 +1,5 @@
-"""Decode steps through the CUDA graph runner's padded static buffers (engine/cuda_graphs.py).
+"""Decode steps through the CUDA graph runner's padded static buffers
+(engine/worker/cuda_graphs.py).
 
 On CPU the runner works in eager replay mode: the same static buffers and padding rows,
 the captured callable called directly. The Triton kernels then run in Triton's
@@ -15,16 +16,16 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.attention import TorchAttentionBackend
-from pdserve.engine.cuda_graphs import (
+from pdserve.engine.modeling.attention import TorchAttentionBackend
+from pdserve.engine.modeling.triton_backend import TritonAttentionBackend
+from pdserve.engine.sched.scheduler import SchedulerOutput
+from pdserve.engine.worker.cuda_graphs import (
     CudaGraphRunner,
     capture_sizes,
     cuda_graphs_enabled,
     padded_size,
 )
-from pdserve.engine.model_runner import ModelRunner, StepResult
-from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.triton_backend import TritonAttentionBackend
+from pdserve.engine.worker.model_runner import ModelRunner, StepResult
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

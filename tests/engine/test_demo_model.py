@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.engine import LLM, SamplingParams, demo_model
-from pdserve.engine.demo_model import (
+from pdserve.demo import model as demo_model
+from pdserve.demo.model import (
     CACHE_DIR_ENV,
     DEMO_MODEL_VERSION,
     DEMO_SHAPE,
@@ -35,7 +35,8 @@ from pdserve.engine.demo_model import (
     resolve_model,
     write_random_model,
 )
-from pdserve.engine.demo_training import LlamaForTraining
+from pdserve.demo.training import LlamaForTraining
+from pdserve.engine import LLM, SamplingParams
 
 if TYPE_CHECKING:
     from tests.conftest import DemoRebuild
@@ -235,9 +236,7 @@ def test_random_model_same_seed_gives_identical_bytes(tmp_path: Path) -> None:
 
 def test_another_process_writes_identical_bytes(tmp_path: Path, random_model_dir: Path) -> None:
     """Rust hash maps are seeded per process: tokenizer training must not depend on that."""
-    script = (
-        "import sys; from pdserve.engine.demo_model import write_random_model as w; w(sys.argv[1])"
-    )
+    script = "import sys; from pdserve.demo.model import write_random_model as w; w(sys.argv[1])"
     env = {**os.environ, "RAYON_NUM_THREADS": "2", "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "m")], check=True, env=env)
     assert _digests(tmp_path / "m") == _digests(random_model_dir)

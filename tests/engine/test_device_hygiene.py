@@ -1,4 +1,4 @@
-"""Device hygiene (engine/device_hygiene.py): the engine's paths make and keep every tensor
+"""Device hygiene (engine/worker/device_hygiene.py): the engine's paths make and keep every tensor
 of a step on its device, checked on CPU as a GPU would.
 
 Each case builds the engine and serves requests under `DeviceHygiene`: a tensor factory
@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.common.grammar import GrammarSpec
 from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.device_hygiene import ENV, DeviceHygiene, DeviceMistake
-from pdserve.engine.grammar import GrammarSpec
+from pdserve.engine.worker.device_hygiene import ENV, DeviceHygiene, DeviceMistake
 
 BLOCK = 4
 BASE: dict[str, Any] = {"dtype": "float32", "num_kv_blocks": 96, "block_size": BLOCK}
@@ -135,8 +135,8 @@ def _run(eng: LLMEngine) -> dict[str, list[int]]:
 
 
 def _host_tables(rope: Any, head_dim: int, max_positions: int, dtype: torch.dtype, *_: Any) -> Any:
-    """engine/rotary.py's cos_sin_cache before the fix: made on the host, never moved."""
-    from pdserve.engine.rotary import inverse_frequencies
+    """engine/modeling/rotary.py's cos_sin_cache before the fix: made on the host, never moved."""
+    from pdserve.engine.modeling.rotary import inverse_frequencies
 
     inv_freq = inverse_frequencies(rope, head_dim, "cpu")
     positions = torch.arange(max_positions, dtype=torch.int64).float()
@@ -148,7 +148,7 @@ def _host_tables(rope: Any, head_dim: int, max_positions: int, dtype: torch.dtyp
 def from_pdserve(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Makes the mode take this test module's calls for pdserve's own (it checks only
     calls made from pdserve's code, and tests/ is not)."""
-    from pdserve.engine import device_hygiene
+    from pdserve.engine.worker import device_hygiene
 
     monkeypatch.setattr(device_hygiene, "_TESTS", Path("/nonexistent"))
     yield
@@ -157,7 +157,7 @@ def from_pdserve(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_tables_made_on_the_host_are_a_mistake(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, from_pdserve: None
 ) -> None:
-    from pdserve.engine import model
+    from pdserve.engine.modeling import llama as model
 
     monkeypatch.setattr(model, "cos_sin_cache", _host_tables)
     with DeviceHygiene() as mode, pytest.raises(DeviceMistake, match=r"torch\.arange"):

@@ -17,16 +17,16 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.engine import model as model_module
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.dummy_model import LLAMA3_8B, TINY, ConfigShape, write_config_only_model
-from pdserve.engine.errors import CheckpointError
+from pdserve.common.engine_config import EngineConfig
+from pdserve.common.errors import CheckpointError
+from pdserve.common.model_config import load_model_config
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.demo.dummy import LLAMA3_8B, TINY, ConfigShape, write_config_only_model
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.model import DUMMY_WEIGHT_RANGE, dummy_weights
-from pdserve.engine.model_config import load_model_config
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import iter_weights
+from pdserve.engine.modeling import llama as model_module
+from pdserve.engine.modeling.llama import DUMMY_WEIGHT_RANGE, dummy_weights
+from pdserve.engine.modeling.weights import iter_weights
 
 ARCHS = [("llama", True), ("qwen2", False)]  # (arch, tie_word_embeddings)
 PROMPTS = [[5, 17, 99, 3], [42] * 9]

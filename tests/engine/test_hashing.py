@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.hashing import (
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.hashing import (
     ROOT_HASH,
     hash_block,
     hash_block_chain,
     hash_namespace,
 )
+from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 
 # Golden vectors: changing any of these changes every hash in a running cluster's index.
 GOLDEN_ROOT = "1f142b353d30eaca06dcac0c446c09ff0671eec93b395cb9034c1341a85780d0"
@@ -115,7 +115,7 @@ def test_bad_block_size_raises() -> None:
 
 
 _CHILD = (
-    "from pdserve.engine.hashing import hash_block_chain, hash_namespace; "
+    "from pdserve.common.hashing import hash_block_chain, hash_namespace; "
     "print(','.join(h.hex() for h in hash_block_chain(range(32), 16, hash_namespace('demo'))))"
 )
 

@@ -113,7 +113,7 @@ def test_warmed_engine_serves_varied_steps_without_new_variants(
     assert late == [("_paged_decode_kernel", 3), ("_reduce_splits_kernel", 3)]
     load = engine.load()
     assert load["kernel_compiles_after_ready"] == 2
-    # as a worker heartbeats it, the router's scrape shows it (cluster/replica.py index_load)
+    # as a worker heartbeats it, the router's scrape shows it (runtime/replica.py index_load)
     worker = WorkerInfo("w0", "decode", "", load=load)
     scrape = parse_scrape(RouterMetrics().render({"m": [worker]}).decode())
     assert sample(scrape, "pdserve_worker_kernel_compiles_after_ready", worker="w0") == 2

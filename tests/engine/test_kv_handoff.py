@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.common.hashing import hash_block_chain
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.hashing import hash_block_chain
-from pdserve.engine.kv_handoff import KVImportError
+from pdserve.engine.worker.kv_handoff import KVImportError
 from pdserve.kv_transfer.base import KVLayout, ReceiverConfig, make_header
 from pdserve.kv_transfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
 

@@ -1,7 +1,7 @@
 """The KV handoff in parts: KV heads split the way tensor-parallel ranks own them.
 
 A tensor-parallel decode replica's ranks each receive their own KV heads; a prefill
-replica's ranks each send theirs (cluster/tp_ranks.py). The engine side of that is
+replica's ranks each send theirs (runtime/tp_ranks.py). The engine side of that is
 `export_kv(..., ranges)` (one part per receiving rank's heads) and
 `add_prefilled_request` with parts: here on one-rank engines, so the arithmetic is
 checked without processes: tokens equal the colocated engine's whatever the split, a
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.kv_handoff import KVImportError, export_ranges
+from pdserve.engine.worker.kv_handoff import KVImportError, export_ranges
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

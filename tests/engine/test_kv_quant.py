@@ -1,4 +1,4 @@
-"""The 8-bit KV cache (engine/kv_quant.py): its format, and an engine serving it exactly.
+"""The 8-bit KV cache (engine/modeling/kv_quant.py): its format, and an engine serving it exactly.
 
 The reference is `transformers` with every K and V rounded through the same format before
 attention (`hf_greedy(..., kv_cache_dtype=...)`): greedy tokens must equal it in float32,
@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams, cpu_kernels, kv_quant
-from pdserve.engine.kv_handoff import KVImportError
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.cpu import kernels as cpu_kernels
+from pdserve.engine.modeling import kv_quant
+from pdserve.engine.worker.kv_handoff import KVImportError
 
 MAX_TOKENS = 16
 KV_DTYPES = ["int8", "fp8"]

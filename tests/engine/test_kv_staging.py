@@ -1,4 +1,4 @@
-"""The KV handoff between the cache's device and host memory (engine/kv_staging.py).
+"""The KV handoff between the cache's device and host memory (engine/worker/kv_staging.py).
 
 On a GPU an export packs with the Triton kernel, copies to pinned staging memory on a side
 stream and is waited for off the engine thread; an import copies to the device and unpacks
@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.common.hashing import hash_block_chain
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, kv_quant
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.hashing import hash_block_chain
-from pdserve.engine.kv_staging import KVStaging
+from pdserve.engine.modeling import kv_quant
+from pdserve.engine.worker.kv_staging import KVStaging
 from pdserve.kernels.kv_pack import ref_kv_pack
 from pdserve.kv_transfer.base import ReceiverConfig
 from pdserve.kv_transfer.errors import UnknownRequestError
@@ -42,8 +43,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def random_cache(dtype: torch.dtype, device: str = "cpu", num_blocks: int = 12) -> torch.Tensor:
     """[layers, 2, blocks, kv_heads, block_size, head_dim] of random values (and a NaN:
-    the handoff moves bits, not numbers). uint8: an 8-bit cache's rows (engine/kv_quant.py),
-    8 int8 codes and the 2 bytes of their bf16 scale."""
+    the handoff moves bits, not numbers). uint8: an 8-bit cache's rows
+    (engine/modeling/kv_quant.py), 8 int8 codes and the 2 bytes of their bf16 scale."""
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 2, num_blocks, 2, BLOCK, 8, generator=gen)
     if dtype == torch.uint8:
@@ -340,7 +341,11 @@ def test_cuda_engines_and_workers_hand_off_through_the_kernels(model_dir: Path) 
 
 
 def test_a_payload_crosses_the_device_in_chunks_of_whole_layers() -> None:
-    from pdserve.engine.kv_staging import DEVICE_CHUNK_BYTES, handoff_device_bytes, layer_chunks
+    from pdserve.engine.worker.kv_staging import (
+        DEVICE_CHUNK_BYTES,
+        handoff_device_bytes,
+        layer_chunks,
+    )
 
     mib = 1 << 20
     assert layer_chunks(32, 8 * mib) == [(0, 32)]  # 256 MiB: one chunk
@@ -371,7 +376,7 @@ def test_a_step_waits_only_for_the_imports_into_its_blocks() -> None:
     """An asynchronous import (CUDA) is waited for on the device by the first step that
     touches one of its blocks, and by no other; once its event is passed, what it kept
     alive (the pinned source, the device chunk) goes."""
-    from pdserve.engine.kv_staging import PendingImports
+    from pdserve.engine.worker.kv_staging import PendingImports
 
     imports, stream = PendingImports(), _Stream()
     a, b = _Event(), _Event()

@@ -1,5 +1,5 @@
 """`Linear`: weights packed for oneDNN once at load; a bf16 weight widened to float32 on a
-CPU without bf16 matmul (engine/linear.py's docstring)."""
+CPU without bf16 matmul (engine/modeling/linear.py's docstring)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import cpu_bf16, linear
-from pdserve.engine.linear import Linear
+from pdserve.engine.cpu import bf16 as cpu_bf16
+from pdserve.engine.modeling import linear
+from pdserve.engine.modeling.linear import Linear
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"

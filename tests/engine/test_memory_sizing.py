@@ -16,18 +16,18 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.cluster.config import ClusterConfig
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.kv_cache_manager import cdiv
+from pdserve.common.engine_config import EngineConfig
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.memory_profile import (
+from pdserve.engine.sched.kv_cache_manager import cdiv
+from pdserve.engine.sched.scheduler import SchedulerOutput
+from pdserve.engine.worker.memory_profile import (
     DeviceMemory,
     kv_blocks_for_memory,
     profile_batches,
 )
-from pdserve.engine.model_runner import ModelRunner, StepResult
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.worker.model_runner import ModelRunner, StepResult
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -316,8 +316,8 @@ def test_graph_outputs_and_handoff_copies_are_kept_out_of_the_pool(
     decode graph keeps its logits, and a handoff copies through the device in chunks of
     at most DEVICE_CHUNK_BYTES. Graphs need CUDA, so their decision is forced here."""
     from pdserve.engine import llm_engine
-    from pdserve.engine.cuda_graphs import capture_sizes
-    from pdserve.engine.kv_staging import DEVICE_CHUNK_BYTES
+    from pdserve.engine.worker.cuda_graphs import capture_sizes
+    from pdserve.engine.worker.kv_staging import DEVICE_CHUNK_BYTES
 
     eng = engine(random_model_dir, num_kv_blocks=64, max_num_seqs=24)
     sequence = cdiv(MAX_POSITIONS, 16) * BLOCK_BYTES

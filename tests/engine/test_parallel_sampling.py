@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.errors import InvalidRequestError
 
 BLOCK = 4
 N = 4
@@ -184,7 +184,7 @@ def test_a_choice_stream_left_early_aborts_every_choice(model_dir: Path) -> None
 
 def test_each_forked_choice_keeps_to_the_grammar(model_dir: Path) -> None:
     """A constrained request's choices each walk the grammar with a matcher of their own."""
-    from pdserve.engine.grammar import GrammarSpec
+    from pdserve.common.grammar import GrammarSpec
 
     words = ["alpha", "beta", "gamma", "delta"]
     params = dataclasses.replace(

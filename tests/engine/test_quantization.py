@@ -2,7 +2,7 @@
 
 Quantizing loses at most half a step per weight; the int8 linear computes the matmul of
 the dequantized weight to float rounding, on CPU both through the C kernel
-(`engine/cpu_int8.py`, where it builds vectorised) and through torch's
+(`engine/cpu/int8.py`, where it builds vectorised) and through torch's
 `_weight_int8pack_mm` (whose bf16 kernel needs rows of a multiple of 16 and an aligned x,
 which `Int8Linear` provides); the two pick the same greedy tokens (float32). An
 int8 engine picks the float engine's greedy next token at >= 90% of positions (teacher
@@ -28,11 +28,13 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.engine import LLM, SamplingParams, cpu_int8, linear
-from pdserve.engine.dummy_model import TINY, write_config_only_model
-from pdserve.engine.linear import Int8Linear, dequantize_int8, quantize_int8
-from pdserve.engine.model import LlamaModel, dummy_weights
-from pdserve.engine.model_config import load_model_config
+from pdserve.common.model_config import load_model_config
+from pdserve.demo.dummy import TINY, write_config_only_model
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.cpu import int8 as cpu_int8
+from pdserve.engine.modeling import linear
+from pdserve.engine.modeling.linear import Int8Linear, dequantize_int8, quantize_int8
+from pdserve.engine.modeling.llama import LlamaModel, dummy_weights
 
 NUM_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.common.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 
 PROMPTS = ["The river bends", "Bread needs time", "A machine that hums at night"]
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.hashing import hash_namespace
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.common.hashing import hash_namespace
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.sched.block_pool import BlockPool
+from pdserve.engine.sched.kv_cache_manager import KVCacheManager
+from pdserve.engine.sched.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from pdserve.engine.sched.sequence import Sequence, SequenceStatus
 
 BLOCK = 4
 NS = hash_namespace("test-model")

@@ -1,4 +1,4 @@
-"""Speculative decoding with prompt-lookup proposals (engine/speculative.py).
+"""Speculative decoding with prompt-lookup proposals (engine/spec_decode/proposer.py).
 
 Greedy tokens with speculation must equal `transformers`' (and so the engine's without
 it) through every engine path; seeded sampled tokens equal the engine's without it (the
@@ -18,23 +18,23 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from pdserve.common.hashing import ROOT_HASH, hash_block_chain, hash_namespace
 from pdserve.engine import LLM, EngineConfig, SamplingParams
-from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.hashing import ROOT_HASH, hash_block_chain, hash_namespace
-from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.model_runner import sample_step
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, SchedulerOutput
-from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative import (
+from pdserve.engine.sched.block_pool import BlockPool
+from pdserve.engine.sched.kv_cache_manager import KVCacheManager
+from pdserve.engine.sched.scheduler import ScheduledSeq, Scheduler, SchedulerLimits, SchedulerOutput
+from pdserve.engine.sched.sequence import Sequence
+from pdserve.engine.spec_decode.proposer import (
     NgramProposer,
     SpecPolicy,
     SpeculativeConfig,
     accept,
     propose_from,
 )
+from pdserve.engine.worker.model_runner import sample_step
 
 MAX_TOKENS = 32
 NS = hash_namespace("test-model")

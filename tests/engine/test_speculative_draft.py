@@ -1,4 +1,5 @@
-"""Speculative decoding with a draft model (`speculative="draft:PATH,k=K"`, engine/draft.py).
+"""Speculative decoding with a draft model (`speculative="draft:PATH,k=K"`,
+engine/spec_decode/draft.py).
 
 Greedy tokens with a draft must equal `transformers`' whatever the draft proposes: a
 smaller random model (proposals mostly rejected), the target's own first layer (some
@@ -24,13 +25,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from pdserve.common.errors import CheckpointError
+from pdserve.common.hashing import ROOT_HASH, hash_block_chain
+from pdserve.common.speculative import SpeculativeConfig
 from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.draft import DraftProposer
-from pdserve.engine.errors import CheckpointError
-from pdserve.engine.hashing import ROOT_HASH, hash_block_chain
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculative import SpeculativeConfig
+from pdserve.engine.sched.sequence import Sequence
+from pdserve.engine.spec_decode.draft import DraftProposer
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 
 from pdserve.cluster.config import ClusterConfig
-from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.hashing import hash_namespace
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.common.engine_config import EngineConfig
+from pdserve.common.hashing import hash_namespace
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.step_cost import StepCostModel, StepShape, chunk_attention
+from pdserve.engine.sched.block_pool import BlockPool
+from pdserve.engine.sched.kv_cache_manager import KVCacheManager
+from pdserve.engine.sched.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from pdserve.engine.sched.sequence import Sequence, SequenceStatus
+from pdserve.engine.sched.step_cost import StepCostModel, StepShape, chunk_attention
 
 BLOCK = 4
 NS = hash_namespace("test-model")

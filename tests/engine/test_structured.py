@@ -13,10 +13,10 @@ import jsonschema
 import pytest
 
 from pdserve.benchmarks.structured_schemas import assorted_schemas
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.grammar import GrammarSpec
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.grammar import GrammarSpec
-from pdserve.engine.kv_handoff import KVImportError
+from pdserve.engine.worker.kv_handoff import KVImportError
 
 PROMPT = "Answer in JSON: "
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism offline: 2 ranks on the CPU over gloo, float32 (engine/parallel.py).
+"""Tensor parallelism offline: 2 ranks on the CPU over gloo, float32 (engine/worker/parallel.py).
 
 Greedy tokens at TP=2 equal `transformers`' on GQA, MQA (the KV head replicated), Qwen2
 with biases and tied embeddings, with prefix caching and with forced chunked prefill;
@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.common.errors import UnsupportedModelError
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.errors import UnsupportedModelError
-from pdserve.engine.parallel import TensorParallelError
+from pdserve.engine.worker.parallel import TensorParallelError
 
 MAX_TOKENS = 16
 # Small pools: every rank allocates its KV slice up front.
@@ -176,8 +176,8 @@ def test_tp3_pads_the_vocabulary_and_replicates_the_kv_head(
 def test_each_rank_holds_the_kv_heads_its_query_heads_read(
     heads: int, kv_heads: int, tp: int
 ) -> None:
-    from pdserve.engine.model_config import ModelConfig, RopeConfig
-    from pdserve.engine.parallel import TPShard, check_tensor_parallel
+    from pdserve.common.model_config import ModelConfig, RopeConfig
+    from pdserve.engine.worker.parallel import TPShard, check_tensor_parallel
 
     cfg = ModelConfig(
         "LlamaForCausalLM", 512, 64, 96, 2, heads, kv_heads, 16, 1e-5, RopeConfig(1e4),
@@ -296,7 +296,7 @@ def test_every_rank_lets_its_collective_events_go() -> None:
     ones go, on every rank, or they pile up without bound. CPU stand-ins for the events
     drive `TPGroup`'s bookkeeping (the CUDA path itself needs a GPU: gpu_check's TP
     check)."""
-    from pdserve.engine.parallel import MAX_PENDING_EVENTS, CollectiveTimes, TPGroup
+    from pdserve.engine.worker.parallel import MAX_PENDING_EVENTS, CollectiveTimes, TPGroup
 
     group = object.__new__(TPGroup)
     group._times = CollectiveTimes()

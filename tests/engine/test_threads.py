@@ -3,7 +3,7 @@
 `LLM(model)` once ran on one thread whatever torch was set to (`num_threads` defaulted to
 1 and the engine applied it), so a user who called `torch.set_num_threads(2)` first got
 half the speed. Now None means `OMP_NUM_THREADS` when set, otherwise the affinity mask
-(engine/config.py, `default_num_threads`), shared among local tensor-parallel ranks; a
+(common/engine_config.py, `default_num_threads`), shared among local tensor-parallel ranks; a
 replica takes the CPUs its pool gives it (`ClusterConfig.threads`).
 """
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from pdserve.cluster.config import ClusterConfig
+from pdserve.common.engine_config import default_num_threads, usable_cpus
 from pdserve.engine import LLM
-from pdserve.engine.config import default_num_threads, usable_cpus
 
 
 @pytest.fixture
@@ -43,7 +43,9 @@ def test_default_is_omp_num_threads_else_the_affinity_mask(monkeypatch: Any) -> 
 
 def test_the_mask_is_what_the_process_may_use() -> None:
     """`taskset -c 0` (a container's CPU limit, a pinned replica) means one thread."""
-    code = "from pdserve.engine.config import default_num_threads; print(default_num_threads())"
+    code = (
+        "from pdserve.common.engine_config import default_num_threads; print(default_num_threads())"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run(
         ["taskset", "-c", "0", sys.executable, "-c", code],

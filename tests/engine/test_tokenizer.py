@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.tokenizer import IncrementalDecoder, Tokenizer
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.tokenizer import IncrementalDecoder, Tokenizer
 
 ENCODE_TEXTS = [
     "The river winds across the valley.",

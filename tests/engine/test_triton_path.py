@@ -26,9 +26,11 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams, cpu_int8, linear
-from pdserve.engine.kv_staging import KVStaging
-from pdserve.engine.linear import Int8Linear
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.cpu import int8 as cpu_int8
+from pdserve.engine.modeling import linear
+from pdserve.engine.modeling.linear import Int8Linear
+from pdserve.engine.worker.kv_staging import KVStaging
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "yes", "on"),
@@ -42,18 +44,18 @@ FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 TRITON_LAUNCHERS = {
     "rms_norm": ("pdserve.kernels.rms_norm", "rms_norm"),
     "rotary": ("pdserve.kernels.rotary_embedding", "rotary_embedding"),
-    "cache_write": ("pdserve.engine.triton_backend", "reshape_and_cache"),
-    "prefill_attention": ("pdserve.engine.triton_backend", "paged_prefill_attention"),
-    "decode_attention": ("pdserve.engine.triton_backend", "paged_decode_attention"),
+    "cache_write": ("pdserve.engine.modeling.triton_backend", "reshape_and_cache"),
+    "prefill_attention": ("pdserve.engine.modeling.triton_backend", "paged_prefill_attention"),
+    "decode_attention": ("pdserve.engine.modeling.triton_backend", "paged_decode_attention"),
     "int8_linear": ("pdserve.kernels.int8_linear", "int8_linear"),
     "kv_pack": ("pdserve.kernels.kv_pack", "kv_pack"),
     "kv_unpack": ("pdserve.kernels.kv_pack", "kv_unpack"),
 }
 # What runs in their place on CPU off the Triton path (the C int8 kernel where it builds).
 CPU_PATHS = {
-    "torch_gather": ("pdserve.engine.kv_staging", "_gather"),
-    "torch_scatter": ("pdserve.engine.kv_staging", "_scatter"),
-    "c_int8_linear": ("pdserve.engine.cpu_int8", "Int8CpuKernel.linear"),
+    "torch_gather": ("pdserve.engine.worker.kv_staging", "_gather"),
+    "torch_scatter": ("pdserve.engine.worker.kv_staging", "_scatter"),
+    "c_int8_linear": ("pdserve.engine.cpu.int8", "Int8CpuKernel.linear"),
 }
 FORWARD_KERNELS = {"rms_norm", "rotary", "cache_write", "prefill_attention", "decode_attention"}
 # Int8 weights, Triton against the CPU matmul: float32 sums of the same products in other

@@ -43,8 +43,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.model_config import load_model_config
-from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+from pdserve.common.model_config import load_model_config
+from pdserve.common.sampling_params import MAX_LOGPROBS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from pdserve.router.protocol import MAX_CHAT_MESSAGES, MAX_N
 
 MODEL_ID = "fuzz-model"

@@ -26,7 +26,7 @@ from typing import Any
 import openai
 import pytest
 
-from pdserve.engine.demo_model import CACHE_DIR_ENV
+from pdserve.demo.model import CACHE_DIR_ENV
 
 STOP_LIMIT_S = 30.0
 START_TIMEOUT_S = 240.0

@@ -40,7 +40,7 @@ def build_paged_kv(
     Every slot no sequence owns is NaN, so a kernel that reads past a sequence's end or
     through a padding entry of a block table fails its comparison. Block 0 is never owned
     and pads every block table, which always has at least one spare column. The cache is
-    `[num_blocks, KVH, block_size, D]` (engine/attention.py).
+    `[num_blocks, KVH, block_size, D]` (engine/modeling/attention.py).
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in context_lens]
@@ -72,10 +72,10 @@ def build_paged_kv(
 
 
 def quantize_paged_kv(paged: PagedKV, kv_cache_dtype: str) -> PagedKV:
-    """`paged` with its caches as 8-bit rows (engine/kv_quant.py): uint8
+    """`paged` with its caches as 8-bit rows (engine/modeling/kv_quant.py): uint8
     [num_blocks, KVH, block_size, D + 2]. An unowned (NaN) slot's row gets a NaN scale,
     so reading it still turns the output NaN."""
-    from pdserve.engine import kv_quant
+    from pdserve.engine.modeling import kv_quant
 
     k_cache, v_cache, *rest = paged
     k8, v8 = (kv_quant.quantize(c.float(), kv_cache_dtype) for c in (k_cache, v_cache))
@@ -85,7 +85,7 @@ def quantize_paged_kv(paged: PagedKV, kv_cache_dtype: str) -> PagedKV:
 
 def dequantize_cache(cache: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     """An 8-bit cache's values in float32 (exact: codes times bf16 scales)."""
-    from pdserve.engine import kv_quant
+    from pdserve.engine.modeling import kv_quant
 
     return kv_quant.dequantize(cache, kv_cache_dtype, torch.float32)
 

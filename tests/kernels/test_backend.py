@@ -2,7 +2,7 @@
 
 On CPU this runs the kernels in Triton's interpreter (tests/kernels/conftest.py), so the
 model is tiny and the steps few. Float32, where both backends agree to rounding, with an
-8-bit KV cache too (engine/kv_quant.py): the Triton kernels write the rows the torch path
+8-bit KV cache too (engine/modeling/kv_quant.py): the Triton kernels write the rows the torch path
 does and read them as it does.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.ops import TorchOps, TritonOps
+from pdserve.engine.modeling.ops import TorchOps, TritonOps
 
 PROMPTS = [
     list(range(10, 30)),  # one full block of 16 and a partial one

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from pdserve.engine.linear import Int8Linear
+from pdserve.engine.modeling.linear import Int8Linear
 from pdserve.kernels.int8_linear import int8_linear, ref_int8_linear
 
 # Kernel vs the float64 reference, both rounded to the dtype once: fp32 accumulates over

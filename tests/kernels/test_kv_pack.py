@@ -94,7 +94,7 @@ def run_roundtrip(dtype: torch.dtype, id_dtype: torch.dtype, device: str) -> Non
         (torch.float32, torch.int64),
         (torch.float16, torch.int32),
         (torch.bfloat16, torch.int64),
-        # an 8-bit KV cache (engine/kv_quant.py): uint8 rows of codes and their scale bytes
+        # an 8-bit KV cache (engine/modeling/kv_quant.py): uint8 rows of codes and their scale bytes
         (torch.uint8, torch.int32),
     ],
 )

@@ -101,7 +101,7 @@ def run_8bit_case(
     dtype: torch.dtype,
     device: str,
 ) -> None:
-    """A case of CASES over an 8-bit cache (engine/kv_quant.py) against the reference over
+    """A case of CASES over an 8-bit cache (engine/modeling/kv_quant.py) against the reference over
     its dequantized values; unowned slots have NaN scales."""
     context_lens, num_heads, num_kv_heads, block_size, head_dim, num_splits = case
     paged = make_paged_kv(context_lens, num_kv_heads, head_dim, block_size, torch.float32, device)

@@ -116,7 +116,7 @@ def run_8bit_case(
     dtype: torch.dtype,
     device: str,
 ) -> None:
-    """A case of CASES over an 8-bit cache (engine/kv_quant.py) against the reference over
+    """A case of CASES over an 8-bit cache (engine/modeling/kv_quant.py) against the reference over
     its dequantized values; unowned slots have NaN scales."""
     query_lens, context_lens, num_heads, num_kv_heads, block_size, head_dim = case
     paged = make_paged_kv(context_lens, num_kv_heads, head_dim, block_size, torch.float32, device)

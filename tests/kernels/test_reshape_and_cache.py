@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from pdserve.engine import kv_quant
+from pdserve.engine.modeling import kv_quant
 from pdserve.kernels.reshape_and_cache import ref_reshape_and_cache, reshape_and_cache
 
 EXACT = {"atol": 0.0, "rtol": 0.0}
@@ -126,7 +126,7 @@ def test_rejects_bad_arguments(device: str) -> None:
         reshape_and_cache(k, k, cache, cache[0], slots)
 
 
-# -- 8-bit caches (engine/kv_quant.py) ---------------------------------------------------------
+# -- 8-bit caches (engine/modeling/kv_quant.py) -------------------------------------------
 
 
 def special_rows(
@@ -156,8 +156,8 @@ def special_rows(
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_quantized_rows_are_kv_quants_bytes(kv_dtype: str, dtype: torch.dtype, device: str) -> None:
-    """The kernel's 8-bit rows equal engine/kv_quant.py's `quantize`, byte for byte (an int8
-    tie, an e4m3 subnormal, a scale's bf16 rounding are all exact); padding and other
+    """The kernel's 8-bit rows equal engine/modeling/kv_quant.py's `quantize`, byte for
+    byte (an int8 tie, an e4m3 subnormal, a scale's bf16 rounding are all exact); padding and other
     slots keep their bytes."""
     run_quantized_case(kv_dtype, dtype, device)
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from pdserve.engine.model import rms_norm as engine_rms_norm
+from pdserve.engine.modeling.llama import rms_norm as engine_rms_norm
 from pdserve.kernels.rms_norm import ref_rms_norm, rms_norm
 
 EPS = 1e-5

@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from pdserve.engine.model_config import RopeConfig
-from pdserve.engine.rotary import cos_sin_cache, inverse_frequencies
+from pdserve.common.model_config import RopeConfig
+from pdserve.engine.modeling.rotary import cos_sin_cache, inverse_frequencies
 from pdserve.kernels.rotary_embedding import ref_rotary_embedding, rotary_embedding
 
 EXACT = {"atol": 0.0, "rtol": 0.0}

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.router.channels import ChannelError, ChannelStream, DecodeChannels
 from tests.router.fakes import TIMEOUT_S, FakeDecode, FakeHandle, in_loop
 

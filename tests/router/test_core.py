@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from pdserve.cluster.config import ClusterConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import ChecksumMismatchError
 from pdserve.router.core import Overloaded, RouterCore
 from pdserve.router.metrics import LOCAL_PREFILL_REASONS, RouterMetrics

@@ -24,7 +24,7 @@ from pdserve.benchmarks.bench import ModelInfo
 from pdserve.benchmarks.bench_workloads import SharedPrefix
 from pdserve.cluster.config import Placement, PlacementWeights
 from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
-from pdserve.engine.hashing import hash_block_chain, hash_namespace
+from pdserve.common.hashing import hash_block_chain, hash_namespace
 from pdserve.router.placement import Placer
 
 BLOCK = 16

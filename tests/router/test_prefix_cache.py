@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.router.prefix_cache import CachedTokens, with_default_salt
 from pdserve.router.protocol import (
     CompletionRequest,

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine.grammar import GrammarSpec
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.grammar import GrammarSpec
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.router.protocol import (
     MAX_N,
     NO_EFFECT,

@@ -20,9 +20,9 @@ import redis.asyncio as aioredis
 
 from pdserve.benchmarks.bench_report import parse_scrape, sample
 from pdserve.cluster.config import ClusterConfig
+from pdserve.common.grammar import GrammarSpec
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port
-from pdserve.engine.grammar import GrammarSpec
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import result_cache as rc
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.result_cache import INDEX_KEY, CachePlan, ResultCache

@@ -546,7 +546,7 @@ def test_fuzz_arguments_round_trip(
 
 
 def test_the_format_comes_from_the_configuration_or_the_template() -> None:
-    from pdserve.engine.demo_model import CHAT_TEMPLATE
+    from pdserve.demo.model import CHAT_TEMPLATE
 
     assert tool_format("auto", CHAT_TEMPLATE) == "hermes"  # the demo's: <tool_call> tags
     assert tool_format("auto", "{{ '<|python_tag|>' }}{{ tools | tojson }}") == "json"

@@ -1,0 +1,1 @@
+"""CPU kernels: C sources in `csrc/`, compiled on first use, and their torch wrappers."""
