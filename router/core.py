@@ -61,8 +61,9 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.router.channels import ChannelStream, DecodeChannels
 from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s, past_bound
+from pdserve.router.load import Hold, LoadBook
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.placement import Choice, Placer, decode_running, queued_tokens
+from pdserve.router.placement import Choice, Placer
 from pdserve.router.prefix_cache import CachedTokens
 from pdserve.router.priority import prefill_queue_bound_s
 
@@ -126,22 +127,20 @@ class Route:
         self.placed = placed
         self.decision = decision
         self.kv_wait_s = kv_wait_s
-        self._held: dict[str, tuple[Counter[str], str, int]] = {}
+        self._held: dict[str, Hold] = {}
 
     def hold(self, what: str, counter: Counter[str], worker_id: str, tokens: int) -> None:
+        """Count `tokens` as queued on `worker_id` in `counter` (a `LoadBook`'s) until
+        `release`; nothing when there is nothing to compute."""
         if tokens > 0:
-            counter[worker_id] += tokens
-            self._held[what] = (counter, worker_id, tokens)
+            self._held[what] = Hold(counter, worker_id, tokens)
 
     def release(self, what: str | None = None) -> None:
         """Give back one reservation ("prefill" or "local"), or all; idempotent."""
         for key in [what] if what is not None else list(self._held):
             held = self._held.pop(key, None)
             if held is not None:
-                counter, worker_id, tokens = held
-                counter[worker_id] -= tokens
-                if counter[worker_id] <= 0:
-                    del counter[worker_id]
+                held.release()
 
 
 def _is_transfer_error(exc: BaseException) -> bool:
@@ -193,11 +192,8 @@ class RouterCore:
         self.placer = Placer(config.placement, config.weights, config.block_size)
         # a router serving several models shares one registry: this model's labelled view
         self.metrics = (metrics or RouterMetrics()).for_model(config.model_id)
-        # prompt tokens this router sent to each prefill worker (remote) / decode worker
-        # (local) and has not seen prefilled: queue the heartbeats have not shown yet
-        self.inflight_prefill_tokens: Counter[str] = Counter()
-        self.inflight_local_tokens: Counter[str] = Counter()
-        self.inflight_decode: Counter[str] = Counter()
+        # every worker's load, its heartbeat's and what this router has in flight there
+        self.load = LoadBook()
         self.rates = RateBook()
         # one token channel per decode replica in use (channels.py)
         self.channels = DecodeChannels(
@@ -206,6 +202,21 @@ class RouterCore:
         self.index_available = True
         self._log = OncePerCause(logger)
         self.stopping: str | None = None  # why, once the cluster stops (`stop`)
+
+    @property
+    def inflight_prefill_tokens(self) -> Counter[str]:
+        """Prompt tokens this router sent to each prefill worker, not yet prefilled."""
+        return self.load.prefill_tokens
+
+    @property
+    def inflight_local_tokens(self) -> Counter[str]:
+        """Prompt tokens this router left to each decode worker to prefill."""
+        return self.load.local_tokens
+
+    @property
+    def inflight_decode(self) -> Counter[str]:
+        """Streams this router has open on each decode worker."""
+        return self.load.decode_streams
 
     def stop(self, reason: str) -> None:
         """End every request in flight with `ShuttingDown(reason)` and take no more (the
@@ -280,14 +291,12 @@ class RouterCore:
         for worker_id, m in matches.items():
             if worker_id not in exclude:
                 by_role.setdefault(m.worker.role, {})[worker_id] = m
-        decode = self.placer.choose_decode(by_role["decode"], self.inflight_decode)
+        decode = self.placer.choose_decode(by_role["decode"], self.load.decode_streams)
         n = len(prompt_ids)
         if self.prefill is None:
             return self._place_colocated(decode, by_role["decode"], n)
         rates = self.rates.prefill_rates(by_role["prefill"])
-        prefill = self.placer.choose_prefill(
-            by_role["prefill"], n, self.inflight_prefill_tokens, rates
-        )
+        prefill = self.placer.choose_prefill(by_role["prefill"], n, self.load.prefill_tokens, rates)
         remote = local = None
         running = 0
         if decode is not None:
@@ -296,10 +305,10 @@ class RouterCore:
             local = Option(
                 decode.worker_id,
                 self.placer.uncached_tokens(d, n),
-                queued_tokens(d, self.inflight_local_tokens),
+                self.load.local_queue(d),
                 self.rates.local_rate(decode.worker_id, sum(known) / len(known) if known else None),
             )
-            running = decode_running(d, self.inflight_decode)
+            running = self.load.running(d)
         if prefill is not None:
             m = by_role["prefill"][prefill.worker_id]
             # the blocks the push would carry (see `_attempt`: D's held prefix is skipped)
@@ -308,7 +317,7 @@ class RouterCore:
             remote = Option(
                 prefill.worker_id,
                 self.placer.uncached_tokens(m, n),
-                queued_tokens(m, self.inflight_prefill_tokens),
+                self.load.prefill_queue(m),
                 rates[prefill.worker_id],
                 extra_s=self.rates.push_s(last_block + 1 - skipped),
             )
@@ -329,7 +338,7 @@ class RouterCore:
             w: Option(
                 w,
                 self.placer.uncached_tokens(m, n),
-                queued_tokens(m, self.inflight_local_tokens),
+                self.load.local_queue(m),
                 pool_rate if rates[w] is None else rates[w],
             )
             for w, m in matches.items()
@@ -340,7 +349,7 @@ class RouterCore:
             o = min(measured, key=lambda o: (o.queue_s, o.worker_id))
             m = matches[o.worker_id]
             least = (Choice(o.worker_id, m.worker.address, m.matched_blocks), o)
-        running = decode_running(matches[decode.worker_id], self.inflight_decode)
+        running = self.load.running(matches[decode.worker_id])
         return Placed(None, decode, True, None, options[decode.worker_id], running, least)
 
     def _route_colocated(self, placed: Placed, resume: bool, bound_s: float) -> Route:
@@ -360,7 +369,7 @@ class RouterCore:
             local = least[1]
         route = Route(placed, None, None)
         if local is not None:
-            route.hold("local", self.inflight_local_tokens, local.worker_id, local.uncached_tokens)
+            route.hold("local", self.load.local_tokens, local.worker_id, local.uncached_tokens)
         return route
 
     async def route(
@@ -395,10 +404,10 @@ class RouterCore:
         route = Route(placed, decision, kv_wait_s(self.config, decision))
         if decision.where == "remote" and placed.remote is not None:
             r = placed.remote
-            route.hold("prefill", self.inflight_prefill_tokens, r.worker_id, r.uncached_tokens)
+            route.hold("prefill", self.load.prefill_tokens, r.worker_id, r.uncached_tokens)
         elif decision.where == "local" and placed.local is not None:
             loc = placed.local
-            route.hold("local", self.inflight_local_tokens, loc.worker_id, loc.uncached_tokens)
+            route.hold("local", self.load.local_tokens, loc.worker_id, loc.uncached_tokens)
         return route
 
     async def _traced_route(
@@ -602,8 +611,7 @@ class RouterCore:
             self.metrics.ttft_stage.labels("router_queue").observe(time.monotonic() - arrival_s)
         d_target = d.worker_id if d is not None else None
         inflight_at = d_target
-        if inflight_at is not None:
-            self.inflight_decode[inflight_at] += 1
+        self.load.stream_opened(inflight_at)
         dispatch: Span | None = None
         trace: dict[str, str] | None = None
         if span is not None and self.tracer is not None:
@@ -640,10 +648,9 @@ class RouterCore:
             serving = accepted.get("worker_id") or d_target
             self._count_placement("decode", d_target, serving)
             if serving != inflight_at:  # Serve gave the call to another replica
-                self._untrack_decode(inflight_at)
+                self.load.stream_closed(inflight_at)
                 inflight_at = serving
-                if inflight_at is not None:
-                    self.inflight_decode[inflight_at] += 1
+                self.load.stream_opened(inflight_at)
             kv_expected = bool(accepted["kv_expected"])
             if want_kv and not kv_expected:
                 local_reason = "not_target"  # the replica that took it would not take KV
@@ -712,7 +719,7 @@ class RouterCore:
         finally:
             if dispatch is not None:
                 self._end_dispatch(dispatch, p, d, serving, local_reason, finished)
-            self._untrack_decode(inflight_at)
+            self.load.stream_closed(inflight_at)
             if not finished:
                 stream.cancel()
             if prefill_task is not None and not prefill_task.done():
@@ -757,12 +764,6 @@ class RouterCore:
             )
         except Exception:  # _prefill handles the call's errors: this is a bug, not a failure
             logger.exception("%s: prefill task failed", request_id)
-
-    def _untrack_decode(self, worker_id: str | None) -> None:
-        if worker_id is not None:
-            self.inflight_decode[worker_id] -= 1
-            if self.inflight_decode[worker_id] <= 0:
-                del self.inflight_decode[worker_id]
 
     def _count_placement(self, role: str, chosen: str | None, served: str | None) -> None:
         """Count the replica that served; an override when Serve did not use the choice."""

@@ -2,7 +2,8 @@
 
 Input: for each candidate worker of a pool (every live one, or the index view's
 shortlist), how many leading blocks of the prompt it holds and its load (heartbeat
-gauges plus what this router has in flight there, which the heartbeat has not seen yet).
+gauges merged with what this router has in flight there, which the heartbeat has not seen
+yet: `router/load.py`, the one place that reads a worker's load).
 Output: the cheapest worker of each pool; ties are broken at random. A prefill worker's
 cost is the time it would take to finish this prompt, its queue included, at its
 measured rate (`router/disagg.py`): the one that finishes soonest is chosen, so a slow
