@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 from pdserve.cluster import stop_notice
 from pdserve.cluster.config import ClusterConfig, PoolAutoscaling
 from pdserve.cluster.scheduling import SchedulingWatch, cluster_asks, read_cluster
+from pdserve.common.engine_config import usable_cpus
 from pdserve.deploy.ports import LINGER_WAIT_S, wait_for_ports
 from pdserve.deploy.redis_server import EmbeddedRedis, free_port
 from pdserve.deploy.stopping import StartAborted, StopSignals, stop_budget_s
@@ -228,6 +229,8 @@ def run_up(
                 ).start()
             config = config.model_copy(update={"redis_url": redis_server.url})
         config = config.resolved()
+        if address is None:
+            config = with_local_threads(config)
         with interruptible():
             started_ray = _start_ray(config, address, apply_serve_env)
         if signals is not None:
@@ -295,6 +298,40 @@ def run_up(
         if redis_server is not None:
             redis_server.stop()
         say("stopped")
+
+
+def engine_processes(config: ClusterConfig) -> int:
+    """The engine processes a cluster of `config` runs at most: every replica of every
+    pool (its autoscaling maximum, when it scales), times its tensor-parallel ranks."""
+    total = 0
+    for cfg in config.model_configs():
+        pools = [("decode", cfg.decode_replicas, cfg.decode_autoscaling)]
+        if cfg.mode == "disagg":
+            pools.append(("prefill", cfg.prefill_replicas, cfg.prefill_autoscaling))
+        for role, replicas, scaling in pools:
+            most = max(replicas, scaling.max_replicas if scaling is not None else 0)
+            total += most * cfg.tp(role)
+    return total
+
+
+def with_local_threads(config: ClusterConfig) -> ClusterConfig:
+    """On a cluster of its own, `pdserve up` knows every engine process the machine will
+    run: unless threads are chosen (`num_threads`, `OMP_NUM_THREADS`, or a pool's pinned
+    CPUs), the usable CPUs are shared among them, so one replica on a machine of its own
+    uses every core, as an offline `LLM` does, rather than its one Ray CPU's thread."""
+    chosen = config.num_threads is not None or config.prefill_cpus or config.decode_cpus
+    if chosen or os.environ.get("OMP_NUM_THREADS", "").strip():
+        return config
+    if any(cfg.num_threads is not None for cfg in config.model_configs()):
+        return config
+    share = usable_cpus() // max(1, engine_processes(config))
+    if share <= config.threads("decode"):
+        return config
+    say(
+        f"each engine process uses {share} threads ({usable_cpus()} CPUs, "
+        f"{engine_processes(config)} engine processes)"
+    )
+    return config.model_copy(update={"num_threads": share})
 
 
 def _start_ray(config: ClusterConfig, address: str | None, apply_env: Callable[..., Any]) -> bool:
