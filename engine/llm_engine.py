@@ -27,6 +27,7 @@ from pdserve.common.hashing import hash_namespace
 from pdserve.common.kv_events import KVEvent, KVEventKind
 from pdserve.common.model_config import ModelConfig, load_model_config
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.timeline import Timeline
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.engine.cpu import kernels as cpu_kernels
 from pdserve.engine.grammar import GrammarCompiler
@@ -238,6 +239,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
         self.scheduler = self._make_scheduler()
         self.clock = time.perf_counter  # step wall times (tests inject a fake)
+        # PDSERVE_TIMELINE_DIR: every step and request arrival, for benchmarks/timeline.py
+        self.timeline = Timeline.from_env("engine", model=self.model_id)
         self.runner = self._make_runner()
         self.kv_staging = KVStaging(
             self.runner.kv_cache,
@@ -477,6 +480,8 @@ class LLMEngine:
         seq.hold_kv = hold_kv
         self._track(seq, stream)
         self.scheduler.add(seq)
+        if self.timeline is not None:
+            self.timeline.write("add", rid=request_id, prompt=len(seq.prompt_token_ids))
         return seq
 
     def add_prefilled_request(
@@ -529,6 +534,10 @@ class LLMEngine:
         reason = self.scheduler.stop_reason(seq, first_token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+        if self.timeline is not None:
+            n = len(seq.prompt_token_ids)
+            self.timeline.write("add", rid=request_id, prompt=n, prefilled=True)
+            self.timeline.write("first", rid=request_id)
         return self._output(seq, [first_token], seq.is_finished)
 
     def fork_request(
@@ -801,6 +810,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         start_s = self.clock()
+        start_wall = time.time()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
@@ -834,9 +844,37 @@ class LLMEngine:
 
         finished = self.scheduler.update(sched_out, result.sampled, on_token)
         outputs = self._outputs(sched_out, new, finished)
+        duration_s = self.clock() - start_s
         if self.step_cost is not None:
-            self.step_cost.observe(sched_out.shape(), self.clock() - start_s)
+            self.step_cost.observe(sched_out.shape(), duration_s)
+        if self.timeline is not None:
+            self._log_step(start_wall, duration_s, sched_out, new)
         return outputs
+
+    def _log_step(
+        self,
+        start_wall: float,
+        duration_s: float,
+        sched_out: SchedulerOutput,
+        new: dict[str, tuple[list[int], list[str]]],
+    ) -> None:
+        """The step on this engine's timeline (common/timeline.py), and the first tokens
+        it produced."""
+        assert self.timeline is not None
+        self.timeline.write(
+            "step",
+            t=start_wall,
+            dur=duration_s,
+            prefill=[[s.seq.request_id, s.start, s.num_new_tokens] for s in sched_out.prefills],
+            decode=len(sched_out.decodes),
+            verify=sum(s.num_new_tokens for s in sched_out.verifies),
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+        )
+        for item in sched_out.scheduled:
+            seq = item.seq
+            if seq.request_id in new and len(seq.output_token_ids) == len(new[seq.request_id][0]):
+                self.timeline.write("first", rid=seq.request_id)
 
     def _execute_parallel(self, sched_out: SchedulerOutput) -> StepResult:
         """`runner.execute` with other ranks: a failure (a rank gone, or a collective past
@@ -880,6 +918,8 @@ class LLMEngine:
         """Stop the tensor-parallel ranks (nothing to do with one rank). Idempotent."""
         if self.tp_workers is not None:
             self.tp_workers.close()
+        if self.timeline is not None:
+            self.timeline.close()
 
     def _outputs(
         self,
