@@ -27,7 +27,6 @@ from pdserve.common.hashing import hash_namespace
 from pdserve.common.kv_events import KVEvent, KVEventKind
 from pdserve.common.model_config import ModelConfig, load_model_config
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.timeline import Timeline
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.engine.cpu import kernels as cpu_kernels
 from pdserve.engine.grammar import GrammarCompiler
@@ -54,6 +53,7 @@ from pdserve.engine.spec_decode.proposer import (
     check_draft_checkpoint,
     make_proposer,
 )
+from pdserve.engine.timeline import EngineTimeline
 from pdserve.engine.worker.cuda_graphs import cuda_graphs_enabled
 from pdserve.engine.worker.kv_handoff import (
     HeadRange,
@@ -240,7 +240,7 @@ class LLMEngine:
         self.scheduler = self._make_scheduler()
         self.clock = time.perf_counter  # step wall times (tests inject a fake)
         # PDSERVE_TIMELINE_DIR: every step and request arrival, for benchmarks/timeline.py
-        self.timeline = Timeline.from_env("engine", model=self.model_id)
+        self.timeline = EngineTimeline.from_env(self.model_id)
         self.runner = self._make_runner()
         self.kv_staging = KVStaging(
             self.runner.kv_cache,
@@ -481,7 +481,7 @@ class LLMEngine:
         self._track(seq, stream)
         self.scheduler.add(seq)
         if self.timeline is not None:
-            self.timeline.write("add", rid=request_id, prompt=len(seq.prompt_token_ids))
+            self.timeline.added(seq)
         return seq
 
     def add_prefilled_request(
@@ -535,9 +535,7 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
         if self.timeline is not None:
-            n = len(seq.prompt_token_ids)
-            self.timeline.write("add", rid=request_id, prompt=n, prefilled=True)
-            self.timeline.write("first", rid=request_id)
+            self.timeline.added(seq, prefilled=True)
         return self._output(seq, [first_token], seq.is_finished)
 
     def fork_request(
@@ -848,33 +846,9 @@ class LLMEngine:
         if self.step_cost is not None:
             self.step_cost.observe(sched_out.shape(), duration_s)
         if self.timeline is not None:
-            self._log_step(start_wall, duration_s, sched_out, new)
+            produced = {rid: len(tokens) for rid, (tokens, _) in new.items()}
+            self.timeline.step(start_wall, duration_s, sched_out, self.scheduler, produced)
         return outputs
-
-    def _log_step(
-        self,
-        start_wall: float,
-        duration_s: float,
-        sched_out: SchedulerOutput,
-        new: dict[str, tuple[list[int], list[str]]],
-    ) -> None:
-        """The step on this engine's timeline (common/timeline.py), and the first tokens
-        it produced."""
-        assert self.timeline is not None
-        self.timeline.write(
-            "step",
-            t=start_wall,
-            dur=duration_s,
-            prefill=[[s.seq.request_id, s.start, s.num_new_tokens] for s in sched_out.prefills],
-            decode=len(sched_out.decodes),
-            verify=sum(s.num_new_tokens for s in sched_out.verifies),
-            waiting=len(self.scheduler.waiting),
-            running=len(self.scheduler.running),
-        )
-        for item in sched_out.scheduled:
-            seq = item.seq
-            if seq.request_id in new and len(seq.output_token_ids) == len(new[seq.request_id][0]):
-                self.timeline.write("first", rid=seq.request_id)
 
     def _execute_parallel(self, sched_out: SchedulerOutput) -> StepResult:
         """`runner.execute` with other ranks: a failure (a rank gone, or a collective past

@@ -58,7 +58,6 @@ from pdserve.cluster.messages import (
 from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
 from pdserve.common.hashing import BlockHash, hash_block_chain, hash_namespace
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.timeline import Timeline, wall_of
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.router.channels import ChannelStream, DecodeChannels
 from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s, past_bound
@@ -67,6 +66,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Choice, Placer
 from pdserve.router.prefix_cache import CachedTokens
 from pdserve.router.priority import prefill_queue_bound_s
+from pdserve.router.timeline import RouterTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class RouterCore:
         # every worker's load, its heartbeat's and what this router has in flight there
         self.load = LoadBook()
         # PDSERVE_TIMELINE_DIR: each request's stages, for benchmarks/timeline.py
-        self.timeline = Timeline.from_env("router", model=config.model_id)
+        self.timeline = RouterTimeline.from_env(config.model_id)
         self.rates = RateBook()
         # one token channel per decode replica in use (channels.py)
         self.channels = DecodeChannels(
@@ -613,16 +613,8 @@ class RouterCore:
         if first:
             self.metrics.ttft_stage.labels("router_queue").observe(time.monotonic() - arrival_s)
         if self.timeline is not None:
-            self.timeline.write(
-                "dispatch",
-                rid=request_id,
-                arrival=wall_of(arrival_s),
-                attempt=attempt,
-                prompt=len(prompt_ids),
-                prefill=p.worker_id if p is not None else None,
-                decode=d.worker_id if d is not None else None,
-                where=decision.where if decision is not None else "colocated",
-            )
+            n = len(prompt_ids)
+            self.timeline.dispatched(request_id, arrival_s, attempt, n, p, d, decision)
         d_target = d.worker_id if d is not None else None
         inflight_at = d_target
         self.load.stream_opened(inflight_at)
@@ -707,13 +699,7 @@ class RouterCore:
                         self._count_local_prefill(request_id, serving, reason)
                 if first:
                     if self.timeline is not None:
-                        self.timeline.write(
-                            "first",
-                            rid=request_id,
-                            decode=serving,
-                            kv_used=item.get("kv_used", False),
-                            local_prefill=item.get("local_prefill"),
-                        )
+                        self.timeline.first(request_id, serving, item)
                     if cached is not None:
                         cached.first_item(item, report)
                     self._record_first(item, arrival_s)
@@ -725,7 +711,7 @@ class RouterCore:
                 finished = item["finished"]
                 produced += len(item["token_ids"])
                 if finished and self.timeline is not None:
-                    self.timeline.write("done", rid=request_id, tokens=produced)
+                    self.timeline.done(request_id, produced)
                 if finished and prefill_task is not None:
                     # The push ended before D's first token; wait for P's report so
                     # that metrics and the index are current when the client sees the end.
@@ -908,15 +894,7 @@ class RouterCore:
             self.rates.prefill_done(served, computed, result["compute_s"], end_s)
         self.rates.push_done(push_s, result["num_blocks_sent"])
         if self.timeline is not None:
-            self.timeline.write(
-                "prefill",
-                rid=request_id,
-                worker=served,
-                queue_s=result["queue_s"],
-                compute_s=result["compute_s"],
-                push_s=push_s,
-                blocks=result["num_blocks_sent"],
-            )
+            self.timeline.prefilled(request_id, served, result, push_s)
         m = self.metrics
         m.prompt_tokens.labels("prefill").inc(result["num_prompt_tokens"])
         m.hit_tokens.labels("prefill").inc(result["num_cached_tokens"])
