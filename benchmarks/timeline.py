@@ -19,6 +19,7 @@ compare on the same machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections import defaultdict
@@ -97,7 +98,14 @@ def engine_steps(events: list[dict[str, Any]]) -> dict[str, Any]:
             chunks[rid] += 1
             if rid in added and rid not in waited:
                 waited[rid] = s["t"] - added[rid]
-    span = (steps[-1]["t"] + steps[-1]["dur"] - steps[0]["t"]) if steps else 0.0
+    # busy: of the time it had work (a step running, or requests running or waiting
+    # after one), how much went to steps; an idle engine's gaps do not count
+    idle = sum(
+        b["t"] - (a["t"] + a["dur"])
+        for a, b in itertools.pairwise(steps)
+        if not (a["running"] or a["waiting"])
+    )
+    span = (steps[-1]["t"] + steps[-1]["dur"] - steps[0]["t"] - idle) if steps else 0.0
 
     def ms(group: list[dict[str, Any]]) -> dict[str, float]:
         durs = [s["dur"] for s in group]
@@ -144,7 +152,7 @@ def print_summary(s: dict[str, Any]) -> None:
     for k, v in r["ms"].items():
         print(f"| {k} | {v['p50']:.1f} | {v['p99']:.1f} |")
     for name, e in s["engines"].items():
-        print(f"\n{name}: {e['steps']} steps, busy {e['busy']:.0%} of its span")
+        print(f"\n{name}: {e['steps']} steps, busy {e['busy']:.0%} of the time it had work")
         print("| steps | count | p50 ms | p99 ms |")
         print("|---|---|---|---|")
         for k in ("decode only ms", "decode + prefill ms", "prefill only ms"):
