@@ -1,8 +1,8 @@
 """Where each request's time went: a summary of a folder of timelines (common/timeline.py).
 
 Record one by running the cluster with `PDSERVE_TIMELINE_DIR=DIR` in its environment
-(`pdserve up`, or `../shared/bench/side_by_side.sh`'s pdserve half: the variable reaches
-every Ray process of a local cluster), then:
+(`pdserve up`, or any script that starts it: the variable reaches every Ray process of a
+local cluster), then:
 
     python -m pdserve.benchmarks.timeline DIR [--json OUT]
 
