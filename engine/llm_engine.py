@@ -197,6 +197,8 @@ class LLMEngine:
                 self.draft_dir, self.model_config, self.model_dir
             )
         self.model_id = config.model_id or self.model_dir.name
+        # PDSERVE_TIMELINE_DIR: every step and request arrival, for benchmarks/timeline.py
+        self.timeline = EngineTimeline.from_env(self.model_id)
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             # Triton launches on the thread's current device, not its tensors': the model
@@ -239,8 +241,6 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
         self.scheduler = self._make_scheduler()
         self.clock = time.perf_counter  # step wall times (tests inject a fake)
-        # PDSERVE_TIMELINE_DIR: every step and request arrival, for benchmarks/timeline.py
-        self.timeline = EngineTimeline.from_env(self.model_id)
         self.runner = self._make_runner()
         self.kv_staging = KVStaging(
             self.runner.kv_cache,
