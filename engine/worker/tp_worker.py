@@ -2,7 +2,7 @@
 
 The driver (rank 0, the engine's own process) keeps everything that is not the model:
 scheduler, block pool, prefix cache, sampler. `TPWorkers` starts ranks 1..tp-1 as local
-processes (`python -m pdserve.engine.worker.tp_worker`, each with one end of a socket pair: no
+processes (`python -m pdserve.engine.worker.rank_main`, each with one end of a socket pair: no
 re-import of the caller's main module, so a plain script needs no `__main__` guard) and
 joins them in one process group (`engine/worker/parallel.py`). Each rank owns its slice (its
 KV heads) of every KV block, under the same block ids, so block tables stay on the driver
@@ -129,7 +129,7 @@ class _ProcessRank:
 
 
 class ProcessLauncher:
-    """Ranks as local processes (`python -m pdserve.engine.worker.tp_worker`), each with one end
+    """Ranks as local processes (`python -m pdserve.engine.worker.rank_main`), each with one end
     of a socket pair: no re-import of the caller's main module, so a plain script needs no
     `__main__` guard."""
 
@@ -139,7 +139,7 @@ class ProcessLauncher:
         argv = [
             sys.executable,
             "-m",
-            "pdserve.engine.worker.tp_worker",
+            "pdserve.engine.worker.rank_main",
             "--fd",
             str(theirs.fileno()),
         ]
@@ -525,7 +525,3 @@ def _build_rank(
         device,
     )
     return runner, shard
-
-
-if __name__ == "__main__":
-    main()
