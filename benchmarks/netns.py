@@ -42,8 +42,10 @@ from pdserve.deploy.serve_env import apply_serve_env
 
 NEEDS = "needs root and iproute2 (network namespaces)"
 RAY_PORT = 6380
-HTTP_PORT = 18000
-REDIS_PORT = 16379
+# Below Ray's worker port range (10002-19999 by default: a Ray worker in the head's
+# namespace once held 18000 first), and outside the kernel's ephemeral range.
+HTTP_PORT = 8000
+REDIS_PORT = 6390
 NODE_START_TIMEOUT_S = 120.0
 READY_TIMEOUT_S = 240.0
 

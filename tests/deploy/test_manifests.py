@@ -219,7 +219,10 @@ def test_serve_run_stops_while_its_replicas_cannot_be_scheduled(
     assert decode["cluster_free"] == {"pdserve_test_pool": 0.0}
     assert "cannot be scheduled" in decode["message"]
     code, elapsed = served.run.stop(signal.SIGTERM)
-    assert code == 15, served.run.tail()  # Ray's driver exits with the signal's number
+    # Ray's driver turns SIGTERM into sys.exit(15); now and then its C++ core worker
+    # then aborts while tearing down (-6, seen in CI on a loaded machine). Either way
+    # it stopped, within the limit and leaving nothing behind (`stop` asserts both).
+    assert code in (15, -signal.SIGABRT), served.run.tail()
     assert elapsed < STOP_LIMIT_S
 
 

@@ -95,7 +95,10 @@ def test_four_nodes_split_across_real_links(
         )
         assert kv_bytes >= LONG_PROMPT * 2048 * 0.99, kv_bytes
         print(f"{transport}: KV bytes counted {kv_bytes:.0f}, decode links received {link_bytes}")
-        assert abs(link_bytes - kv_bytes) <= 0.10 * kv_bytes, (link_bytes, kv_bytes)
+        # Every counted byte crossed a decode link; the links also carry Ray's, Serve's
+        # and Redis's own traffic (up to 14% more in CI over this window), but a KV sent
+        # twice, or counted and not sent, would fall outside these bounds.
+        assert kv_bytes <= link_bytes <= 1.5 * kv_bytes, (link_bytes, kv_bytes)
         local = sum(v for (n, _), v in after.items() if n == "pdserve_decode_local_prefill_total")
         assert local == 0
         assert sample(after, "pdserve_kv_transfer_blocks_total") > 0
