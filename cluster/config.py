@@ -90,6 +90,15 @@ def _default_kv_wait_timeout_s(data: dict[str, Any]) -> float:
     return max(MIN_KV_WAIT_S, bound + _setting(data, "kv_wait_floor_s"))
 
 
+def _default_tpot_target_ms(data: dict[str, Any]) -> float | None:
+    """Colocated, every prompt is prefilled beside the streams: whole prompts (the token
+    budget alone) serve mixed load with a lower TTFT *and* TPOT than 100 ms chunks, whose
+    steps each pay the weights' pass again and run smaller matmuls (docs/measurements.md,
+    "The TPOT target"). Disaggregated, a decode worker prefills only what spills or
+    fails over, and the target keeps that from stalling its streams."""
+    return None if _setting(data, "mode") == "colocated" else 100.0
+
+
 def _default_first_token_timeout_s(data: dict[str, Any]) -> float:
     return max(MIN_FIRST_TOKEN_S, 2.0 * _setting(data, "kv_wait_timeout_s"))
 
@@ -405,7 +414,13 @@ class ClusterConfig(BaseModel):
     kv_staging_mb: int = engine_field("kv_staging_mb")
     # a GPU step stays far below it, so it binds only where a prompt really would stall
     # the streams (CPU)
-    tpot_target_ms: float | None = engine_field("tpot_target_ms", default=100.0)
+    tpot_target_ms: float | None = engine_field(
+        "tpot_target_ms",
+        default_factory=_default_tpot_target_ms,
+        description="Keep a step that has decode rows within this time, by capping its"
+        " prefill tokens from the measured step cost; None (off): the token budget alone"
+        " (default: off colocated, 100 disaggregated)",
+    )
     # Without it, prompts arriving faster than capped steps prefill them queue without
     # bound.
     prefill_wait_limit_ms: float | None = engine_field("prefill_wait_limit_ms", default=500.0)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 from pdserve.common.speculative import SpeculativeConfig
 
@@ -230,4 +231,10 @@ def engine_field(name: str, **overrides: Any) -> Any:
     """EngineConfig's declaration of setting `name` (its constraints and description),
     with `overrides` (a cluster's own default): a configuration that passes engine
     settings on (`cluster/config.py`) declares them through this, so each is stated once."""
-    return FieldInfo.merge_field_infos(EngineConfig.model_fields[name], **overrides)
+    field = FieldInfo.merge_field_infos(EngineConfig.model_fields[name], **overrides)
+    if "default_factory" in overrides:
+        # A derived default replaces the engine's plain one. pydantic merges what a field
+        # info was given (`_attributes_set`) when the class is built, and refuses both.
+        field.default = PydanticUndefined
+        field._attributes_set.pop("default", None)
+    return field

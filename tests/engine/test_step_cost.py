@@ -469,5 +469,12 @@ def test_the_cluster_passes_the_target_to_every_engine(make_checkpoint: Any) -> 
     assert ClusterConfig(model=model).engine_config().tpot_target_ms == 100.0
     off = ClusterConfig(model=model, tpot_target_ms=None).engine_config()
     assert off.tpot_target_ms is None
+    # colocated: whole prompts by default; a target given still holds, and what a
+    # replica receives (the validated dump) keeps either
+    colocated = ClusterConfig(model=model, mode="colocated")
+    assert colocated.engine_config().tpot_target_ms is None
+    assert ClusterConfig.model_validate(colocated.model_dump()).tpot_target_ms is None
+    given = ClusterConfig(model=model, mode="colocated", tpot_target_ms=80)
+    assert ClusterConfig.model_validate(given.model_dump()).engine_config().tpot_target_ms == 80
     with pytest.raises(ValueError, match="tpot_target_ms"):
         ClusterConfig(model=model, tpot_target_ms=0)
