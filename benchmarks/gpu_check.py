@@ -17,7 +17,8 @@ less once an earlier one failed, and the budget cuts from the end):
    kernels/speed: paged decode attention >= 80% of the copy bandwidth at batch >= 32,
    context >= 4k (judged); the other kernels' bandwidth, prefill against SDPA (reported).
 2. parity: greedy tokens of a small float32 checkpoint equal `transformers`' on the same
-   device, exactly: prefix caching on and off, chunked prefill, CUDA graphs on and off.
+   device, exactly: prefix caching on and off, chunked prefill, CUDA graphs on and off,
+   and prefixes brought back from the host and disk KV tiers (docs/kv-tiers.md).
    The engine's own contract, and the cheapest proof that its CUDA path computes the model.
 3. parity/bf16: the dtype served. Greedy tokens against `transformers` in bf16 on the same
    device, compared where the reference's top-2 logit gap is >= BF16_GAP_MARGIN (two bf16
@@ -379,9 +380,35 @@ def check_parity(run: Run) -> None:
         llm.close()
         results.append((name, got == ref))
         del llm
+    results.append(check_kv_tiers(run, model_dir, batch))
     ok = all(equal for _, equal in results)
     text = ", ".join(f"{name} {'equal' if equal else 'DIFFERS'}" for name, equal in results)
     run.report("parity", ok, f"{len(batch)} prompts x {MAX_NEW_TOKENS} tokens: {text}")
+
+
+def check_kv_tiers(run: Run, model_dir: Path, batch: list[list[int]]) -> tuple[str, bool]:
+    """The host and disk KV tiers (docs/kv-tiers.md): a pool of two blocks, every prompt
+    twice round-robin, so that the second round's prefixes come back from host memory
+    (pinned, on CUDA) and from the arena file. The parity prompts reversed: they share no
+    first block, which would stay in the pool."""
+    batch = [p[::-1] for p in batch]
+    ref = hf_greedy(model_dir, run.device, batch, MAX_NEW_TOKENS)
+    llm = TimedLLM(
+        run,
+        "parity/kv-tiers",
+        model_dir,
+        **run.engine_args(
+            enable_prefix_caching=True,
+            num_kv_blocks=2,  # one request: each evicts the one before it
+            kv_host_gib=16 / 1024,
+            kv_disk_dir=str(run.workdir / "kv-disk"),
+            kv_disk_gib=16 / 1024,
+        ),
+    )
+    got = [llm.generate([p], greedy(MAX_NEW_TOKENS))[0].token_ids for _ in range(2) for p in batch]
+    hits = llm.llm.engine.load()["kv_host_hit_blocks"]
+    llm.close()
+    return f"kv-tiers ({hits} blocks back)", got == ref * 2 and hits > 0
 
 
 # -- 3. parity in bf16 ----------------------------------------------------------------

@@ -412,6 +412,9 @@ class ClusterConfig(BaseModel):
     max_num_batched_tokens: int = engine_field("max_num_batched_tokens")
     enforce_eager: bool = engine_field("enforce_eager")
     kv_staging_mb: int = engine_field("kv_staging_mb")
+    kv_host_gib: float = engine_field("kv_host_gib")
+    kv_disk_dir: str | None = engine_field("kv_disk_dir")
+    kv_disk_gib: float = engine_field("kv_disk_gib")
     # a GPU step stays far below it, so it binds only where a prompt really would stall
     # the streams (CPU)
     tpot_target_ms: float | None = engine_field(
@@ -896,6 +899,9 @@ class ClusterConfig(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             enforce_eager=self.enforce_eager,
             kv_staging_mb=self.kv_staging_mb,
+            kv_host_gib=self.kv_host_gib,
+            kv_disk_dir=self.kv_disk_dir,
+            kv_disk_gib=self.kv_disk_gib,
             tpot_target_ms=self.tpot_target_ms,
             prefill_wait_limit_ms=self.prefill_wait_limit_ms,
             seed=self.seed,

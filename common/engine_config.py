@@ -91,6 +91,25 @@ class EngineConfig(BaseModel):
         " must be free at start. None: 0.9. num_kv_blocks and kv_cache_memory_gb override"
         " it; ignored on CPU, where the pool is at most 1 GiB.",
     )
+    kv_host_gib: float = Field(
+        default=0.0,
+        ge=0,
+        description="A host-memory tier under the KV pool (GiB; 0: off): cached blocks the"
+        " pool evicts are copied there (LRU within this budget) and copied back when a"
+        " later prompt starts with them, instead of being computed again. Pinned memory on"
+        " CUDA, a separate budget on CPU (engine/worker/kv_host_tier.py). Needs prefix"
+        " caching; not yet with tensor parallelism or a draft model.",
+    )
+    kv_disk_dir: str | None = Field(
+        default=None,
+        description="A disk tier under the host tier (needs kv_host_gib): every block the"
+        " host tier takes is also written to an arena file in this folder, checksummed, and"
+        " read back when a prompt starts with it; a worker restarted on the folder finds its"
+        " blocks again (engine/worker/kv_disk_tier.py). None: off.",
+    )
+    kv_disk_gib: float = Field(
+        default=4.0, gt=0, description="The disk tier's file size (GiB), with kv_disk_dir"
+    )
     kv_staging_mb: int = Field(
         default=256,
         ge=0,
@@ -203,6 +222,27 @@ class EngineConfig(BaseModel):
     def _check_block_size(self) -> EngineConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_host_tier(self) -> EngineConfig:
+        if self.kv_disk_dir is not None and not self.kv_host_gib:
+            raise ValueError("kv_disk_dir (a disk KV tier) needs kv_host_gib: it sits under it")
+        if not self.kv_host_gib:
+            return self
+        # NOTE: each TP rank holds its own heads' share of a block, and a draft model a
+        # cache of its own: both would need every copy made on every cache
+        problem = (
+            "needs enable_prefix_caching"
+            if not self.enable_prefix_caching
+            else "is not yet supported with tensor_parallel_size > 1"
+            if self.tensor_parallel_size > 1
+            else "is not yet supported with a draft model"
+            if self.speculative_config is not None and self.speculative_config.method == "draft"
+            else None
+        )
+        if problem is not None:
+            raise ValueError(f"kv_host_gib (a host KV tier) {problem}")
         return self
 
 

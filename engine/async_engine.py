@@ -225,6 +225,9 @@ class AsyncEngine:
                 else:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
+            # a clean stop, between steps: what the pool caches goes to a disk tier (never
+            # after a broken step, whose blocks may be registered but not computed)
+            self.engine.flush_kv_tiers()
         except Exception as exc:  # a broken step must reach every waiting client
             self._fail_all(exc)
             raise

@@ -55,6 +55,7 @@ from pdserve.engine.spec_decode.proposer import (
 )
 from pdserve.engine.timeline import EngineTimeline
 from pdserve.engine.worker.cuda_graphs import cuda_graphs_enabled
+from pdserve.engine.worker.kv_disk_tier import HEADER_BYTES, DiskKVTier
 from pdserve.engine.worker.kv_handoff import (
     HeadRange,
     KVExport,
@@ -64,6 +65,7 @@ from pdserve.engine.worker.kv_handoff import (
     export_ranges,
     import_prefilled,
 )
+from pdserve.engine.worker.kv_host_tier import HostKVTier, slots_for
 from pdserve.engine.worker.kv_pool_sizing import KVPoolSizing
 from pdserve.engine.worker.kv_staging import KVStaging
 from pdserve.engine.worker.memory_profile import (
@@ -199,6 +201,7 @@ class LLMEngine:
         self.model_id = config.model_id or self.model_dir.name
         # PDSERVE_TIMELINE_DIR: every step and request arrival, for benchmarks/timeline.py
         self.timeline = EngineTimeline.from_env(self.model_id)
+        self.host_tier: HostKVTier | None = None  # close() reads it, whatever fails below
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             # Triton launches on the thread's current device, not its tensors': the model
@@ -242,6 +245,20 @@ class LLMEngine:
         self.scheduler = self._make_scheduler()
         self.clock = time.perf_counter  # step wall times (tests inject a fake)
         self.runner = self._make_runner()
+        if config.kv_host_gib:
+            kv = self.runner.kv_cache
+            disk = None
+            if config.kv_disk_dir is not None:
+                block = kv[:, :, 0]
+                disk_slot = HEADER_BYTES + block.numel() * kv.element_size()
+                disk = DiskKVTier(
+                    config.kv_disk_dir,
+                    tuple(block.shape),
+                    kv.dtype,
+                    max(1, int(config.kv_disk_gib * (1 << 30)) // disk_slot),
+                )
+            self.host_tier = HostKVTier(kv, max(1, slots_for(kv, config.kv_host_gib)), disk)
+            self.block_pool.lower_tier = self.host_tier
         self.kv_staging = KVStaging(
             self.runner.kv_cache,
             config.kv_staging_mb << 20,
@@ -773,8 +790,42 @@ class LLMEngine:
             # KV handoff blocks the Triton kernels moved: which path the handoffs took
             "kv_kernel_blocks_packed": self.kv_staging.kernel_blocks_packed,
             "kv_kernel_blocks_unpacked": self.kv_staging.kernel_blocks_unpacked,
+            **self._host_tier_gauges(),
             **self._parallel_gauges(),
             **(sched.spec_stats.gauges() if sched.proposer is not None else {}),
+        }
+
+    def _host_tier_gauges(self) -> dict[str, int]:
+        tier = self.host_tier
+        if tier is None:
+            return {}
+        return {
+            "kv_host_blocks": len(tier),
+            "kv_host_blocks_total": tier.capacity,
+            "kv_host_demoted_blocks": tier.stats.demoted,
+            "kv_host_hit_blocks": tier.stats.promoted,
+            "kv_host_dropped_blocks": tier.stats.dropped,
+            # measured costs of a tier hit (placement may weigh them against computing)
+            "kv_host_demote_us_per_block": tier.stats.us_per_block(
+                tier.stats.demote_s, tier.stats.demoted
+            ),
+            "kv_host_promote_us_per_block": tier.stats.us_per_block(
+                tier.stats.promote_s, tier.stats.promoted
+            ),
+            **(
+                {}
+                if tier.disk is None
+                else {
+                    "kv_disk_blocks": len(tier.disk),
+                    "kv_disk_blocks_total": tier.disk.capacity,
+                    "kv_disk_hit_blocks": tier.stats.disk_hits,
+                    "kv_disk_corrupt_blocks": tier.disk.stats.corrupt,
+                    "kv_disk_recovered_blocks": tier.disk.stats.recovered,
+                    "kv_disk_read_us_per_block": tier.stats.us_per_block(
+                        tier.disk.stats.read_s, tier.disk.stats.hits
+                    ),
+                }
+            ),
         }
 
     def spec_stats(self) -> SpecStats:
@@ -889,11 +940,24 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do with one rank). Idempotent."""
+        """Stop the tensor-parallel ranks (nothing to do with one rank) and let go of a
+        disk tier's file. Idempotent."""
         if self.tp_workers is not None:
             self.tp_workers.close()
+        tier = self.host_tier
+        if tier is not None and tier.disk is not None and not tier.disk.closed:
+            self.flush_kv_tiers()
+            tier.disk.close()
         if self.timeline is not None:
             self.timeline.close()
+
+    def flush_kv_tiers(self) -> None:
+        """Copy every block the pool caches into the KV tiers (through to a disk tier), so
+        that a worker restarted on the disk folder finds them. Only between steps: every
+        cached block's tokens are computed then."""
+        tier = self.host_tier
+        if tier is not None and tier.disk is not None and not tier.disk.closed:
+            tier.demote(self.block_pool.cached_blocks())
 
     def _outputs(
         self,

@@ -57,6 +57,20 @@ _WORKER_GAUGES = {
     "tp_all_reduce_us_per_step": "Tensor parallel: the driver's all-reduce time per step, us",
     "kernel_compiles_after_ready": "Triton kernel variants compiled after warm-up (each stalls"
     " every stream of the worker)",
+    "kv_host_blocks": "Host KV tier: blocks held",
+    "kv_host_blocks_total": "Host KV tier: blocks it can hold (kv_host_gib)",
+    "kv_host_demoted_blocks": "Host KV tier: blocks copied in from the pool since start",
+    "kv_host_hit_blocks": "Host KV tier: blocks copied back instead of computed since start",
+    "kv_host_dropped_blocks": "Host KV tier: blocks dropped for room since start",
+    "kv_host_demote_us_per_block": "Host KV tier: mean time to copy a block in, us",
+    "kv_host_promote_us_per_block": "Host KV tier: mean time to copy a block back into the"
+    " pool, us (a disk block's read: kv_disk_read_us_per_block)",
+    "kv_disk_blocks": "Disk KV tier: blocks held",
+    "kv_disk_blocks_total": "Disk KV tier: blocks its file holds (kv_disk_gib)",
+    "kv_disk_hit_blocks": "Disk KV tier: blocks read back instead of computed since start",
+    "kv_disk_corrupt_blocks": "Disk KV tier: blocks whose checksum failed (computed instead)",
+    "kv_disk_recovered_blocks": "Disk KV tier: blocks found in its file at start",
+    "kv_disk_read_us_per_block": "Disk KV tier: mean time to read and check a block, us",
 }
 
 

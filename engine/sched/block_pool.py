@@ -11,6 +11,9 @@ The design follows vLLM v1's BlockPool:
   blocks in reverse order get its tail blocks (the least shareable) evicted first.
 - With events enabled, every registration (STORED) and eviction (REMOVED) is recorded
   for the cluster's prefix index; drain_events() hands them over.
+- With a lower tier (`engine/sched/lower_tier.py`), a cached block that allocate() takes is
+  first demoted there: its hash stays held by this worker (no REMOVED) until the tier
+  drops it too, and it is no longer in the cache map once allocate() returns.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from pdserve.common.errors import NoFreeBlocksError
 from pdserve.common.hashing import BlockHash
 from pdserve.common.kv_events import KVEvent, KVEventKind
+from pdserve.engine.sched.lower_tier import LowerTier
 
 __all__ = ["BlockPool", "KVBlock", "KVEvent", "KVEventKind", "NoFreeBlocksError"]
 
@@ -43,19 +47,25 @@ class BlockPool:
         num_blocks: Number of blocks, ids 0..num_blocks-1; all start free, in id order.
         enable_caching: Whether full blocks can be registered and reused by hash.
         enable_events: Whether STORED/REMOVED events are recorded for drain_events().
+        lower_tier: Where evicted cached blocks go (None: they are forgotten).
 
     Raises:
         ValueError: num_blocks < 1.
     """
 
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        enable_events: bool = False,
+        lower_tier: LowerTier | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_events = enable_events
+        self.lower_tier = lower_tier if enable_caching else None
         self._blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         # NOTE: insertion order is the LRU order: head = next to allocate. OrderedDict
         # gives O(1) append, pop-head and remove-from-the-middle (touch of a cached block).
@@ -121,7 +131,8 @@ class BlockPool:
             NoFreeBlocksError: Fewer than num_blocks blocks are free; nothing is allocated.
 
         Side effects: a taken block that was cached is evicted: its hash leaves the
-        cache map and a REMOVED event is recorded.
+        cache map and a REMOVED event is recorded, or, with a lower tier, its contents are
+        demoted there first (REMOVED then only for the hashes the tier drops).
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
@@ -131,11 +142,22 @@ class BlockPool:
                 f"(of {self.num_blocks})"
             )
         blocks: list[KVBlock] = []
+        demoted: list[tuple[int, BlockHash]] = []
         for _ in range(num_blocks):
             _, block = self._free_queue.popitem(last=False)
-            self._evict(block)
+            if self.lower_tier is not None and block.block_hash is not None:
+                demoted.append((block.block_id, block.block_hash))
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            else:
+                self._evict(block)
             block.ref_count = 1
             blocks.append(block)
+        if demoted:
+            assert self.lower_tier is not None
+            for block_hash in self.lower_tier.demote(demoted):
+                if block_hash not in self._cached:
+                    self._record(KVEventKind.REMOVED, block_hash)
         return blocks
 
     def free(self, blocks: Iterable[KVBlock], front: bool = False) -> None:
@@ -200,8 +222,15 @@ class BlockPool:
         return events
 
     def cached_hashes(self) -> list[BlockHash]:
-        """Every hash registered in the prefix cache now (to republish a whole index)."""
-        return list(self._cached)
+        """Every hash this worker holds now, in the pool's cache map or a lower tier (to
+        republish a whole index)."""
+        if self.lower_tier is None:
+            return list(self._cached)
+        return list(dict.fromkeys([*self._cached, *self.lower_tier.hashes()]))
+
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of every block in the cache map, least recently freed first."""
+        return [(b.block_id, b.block_hash) for b in self._cached.values() if b.block_hash]
 
     def reset_prefix_cache(self) -> bool:
         """Unregisters every cached block, e.g. after the model weights changed.
@@ -210,13 +239,16 @@ class BlockPool:
             True if the cache was reset; False, changing nothing, if some cached block
             is still referenced by a request.
 
-        Side effects: records one REMOVED event with every dropped hash. The free
-        queue's order is unchanged.
+        Side effects: records one REMOVED event with every dropped hash; a lower tier
+        is emptied too. The free queue's order is unchanged.
         """
         if any(block.ref_count > 0 for block in self._cached.values()):
             return False
         for block in list(self._cached.values()):
             self._evict(block)
+        if self.lower_tier is not None:
+            for block_hash in self.lower_tier.clear():
+                self._record(KVEventKind.REMOVED, block_hash)
         return True
 
     def check_no_leaks(self) -> None:
@@ -234,11 +266,13 @@ class BlockPool:
             )
 
     def _evict(self, block: KVBlock) -> None:
-        """Removes a block's hash from the cache map, if any, and records REMOVED."""
+        """Removes a block's hash from the cache map, if any, and records REMOVED (unless
+        a lower tier still holds the hash)."""
         if block.block_hash is None:
             return
         del self._cached[block.block_hash]
-        self._record(KVEventKind.REMOVED, block.block_hash)
+        if self.lower_tier is None or block.block_hash not in self.lower_tier:
+            self._record(KVEventKind.REMOVED, block.block_hash)
         block.block_hash = None
 
     def _record(self, kind: KVEventKind, block_hash: BlockHash) -> None:

@@ -73,7 +73,8 @@ def test_gpu_check_smoke_passes_every_check() -> None:
     assert not failed, out[-4000:]
     assert code == 0, out[-4000:]
     parity = lines["parity"][1]
-    assert parity.count("equal") == 5 and "DIFFERS" not in parity, parity
+    assert parity.count("equal") == 6 and "DIFFERS" not in parity, parity
+    assert "kv-tiers (0 blocks back)" not in parity, parity
     bf16 = lines["parity/bf16"][1]
     assert "DIFFERS" not in bf16 and "positions decided" in bf16, bf16
     quant = lines["quant"][1]

@@ -222,6 +222,10 @@ def test_the_k8s_overrides_fit_bundle_0_with_tp(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setenv(name, "x")
     args = {**app.args, "prefill_tp": 2, "decode_tp": 2, "num_kv_blocks": 1024}
     args.pop("kv_tls")  # its files are read only at preflight, which this skips
+    # KV tiers do not serve tensor parallelism yet (docs/kv-tiers.md): raising the TP
+    # there also means turning them off
+    args.pop("kv_host_gib")
+    args.pop("kv_disk_dir")
     config = ClusterConfig.from_serve_args(args).model_copy(update={"max_model_len": 64})
     built = deployments(config)
     for override in app.deployments:
