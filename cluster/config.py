@@ -260,6 +260,18 @@ class ClusterConfig(BaseModel):
         ge=0,
         description=("what a KV wait adds to its estimate (see kv_wait_factor)"),
     )
+    # Peer fetch (docs/kv-tiers.md, "Fetching from a peer"): when a decode worker is to
+    # prefill a prompt of which another worker holds more, the holder pushes the blocks
+    # it has beyond the chosen worker's, if they are at least this many and the measured
+    # push is sooner than computing them there.
+    kv_fetch_min_blocks: int = Field(
+        default=4,
+        ge=0,
+        description=(
+            "the fewest blocks of a prompt's prefix a decode worker fetches from the worker"
+            " that holds them instead of computing them (0: never fetch)"
+        ),
+    )
 
     prefill_replicas: int = Field(
         default=1,

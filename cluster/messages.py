@@ -22,6 +22,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
+
+def fetch_id(request_id: str) -> str:
+    """The transfer id of a request's peer fetch (the KV of its own prefill, if any,
+    crosses under the request's id)."""
+    return f"{request_id}#fetch"
+
+
 # -- decode worker -> router -------------------------------------------------------------
 
 
@@ -40,6 +47,9 @@ class Accepted(TypedDict):
     kv_expected: bool
     worker_id: str
     address: str
+    # the receiver expects a peer fetch of the prompt's first blocks (the router then
+    # tells the holder to push them to `address`)
+    fetch_expected: NotRequired[bool]
 
 
 class NoChannel(TypedDict):
@@ -82,6 +92,8 @@ class OutputItem(ClientItem):
     decode_queue_s: NotRequired[float]
     local_prefill_s: NotRequired[float]
     local_prefill: NotRequired[str]  # why expected KV was not used
+    fetch: NotRequired[str]  # what became of a peer fetch (FirstItemExtras)
+    fetched_blocks: NotRequired[int]
 
 
 class FirstItemExtras(TypedDict):
@@ -93,6 +105,15 @@ class FirstItemExtras(TypedDict):
     num_cached_tokens: int
     decode_queue_s: float
     local_prefill_s: float
+
+
+class FetchReport(TypedDict):
+    """A holder's answer to `push_prefix`: what it sent of the prefix, and how fast."""
+
+    worker_id: str
+    num_blocks: int
+    num_bytes: int
+    seconds: float
 
 
 class ErrorItem(TypedDict):
@@ -188,6 +209,8 @@ class DecodeHandle(Protocol):
     @property
     def cancel_kv(self) -> RemoteMethod: ...
     @property
+    def push_prefix(self) -> RemoteMethod: ...
+    @property
     def load(self) -> RemoteMethod: ...
 
     def options(self, *, stream: bool = ...) -> DecodeHandle: ...
@@ -198,5 +221,7 @@ class PrefillHandle(Protocol):
 
     @property
     def prefill(self) -> RemoteMethod: ...
+    @property
+    def push_prefix(self) -> RemoteMethod: ...
     @property
     def load(self) -> RemoteMethod: ...

@@ -51,11 +51,13 @@ from pdserve.cluster.messages import (
     LoadReport,
     OutputItem,
     SubmitReply,
+    fetch_id,
 )
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.decode_worker.channels import Batch, Channel, Channels
 from pdserve.decode_worker.worker import DecodeWorker, choice_index
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.worker.kv_handoff import KVImportError
 from pdserve.kv_transfer import make_receiver
 from pdserve.kv_transfer.base import ReceiverConfig
 from pdserve.kv_transfer.errors import (
@@ -134,21 +136,26 @@ class DecodeServer(WorkerReplica):
         worker_id: str | None = None,
         target_replica: str | None = None,
         trace: dict[str, str] | None = None,
+        fetch_blocks: int = 0,
     ) -> SubmitReply:
         """Start a request whose outputs go on channel `channel_id`; return the
         "accepted" item (see the module's docstring), or `{"type": "no_channel"}` when
         that channel is not open on this replica or this is not replica `worker_id`
         (the router then opens another and submits again). Items of the request on the
         channel: its outputs, or one `{"type": "error"}` if serving it failed. `trace`:
-        the router's W3C carrier (tracing on), the parent of the request's span."""
+        the router's W3C carrier (tracing on), the parent of the request's span.
+        `fetch_blocks`: the router will have a peer push the prompt's first blocks here
+        (a request this replica prefills itself); "fetch_expected" in the reply says
+        whether the receiver expects them."""
         channel = self.channels.get(channel_id)
         if channel is None or (worker_id is not None and worker_id != self.worker_id):
             return {"type": "no_channel", "worker_id": self.worker_id}
         if request_id in channel.tasks:
             raise ValueError(f"request {request_id} is running on this channel already")
         accepted = await self._accept(
-            request_id, prompt_token_ids, kv_expected, kv_wait_s, params.cache_salt
+            request_id, prompt_token_ids, kv_expected, kv_wait_s, params, fetch_blocks
         )
+        fetch = fetch_blocks if accepted.get("fetch_expected") else 0
         channel.tasks[request_id] = asyncio.create_task(
             self._run(
                 channel,
@@ -158,6 +165,7 @@ class DecodeServer(WorkerReplica):
                 accepted["kv_expected"],
                 kv_wait_s,
                 trace,
+                fetch,
             )
         )
         return accepted
@@ -183,10 +191,11 @@ class DecodeServer(WorkerReplica):
         kv_expected: bool,
         kv_wait_s: float | None,
         trace: dict[str, str] | None = None,
+        fetch_blocks: int = 0,
     ) -> None:
         try:
             async for item in self._outputs(
-                request_id, prompt_token_ids, params, kv_expected, kv_wait_s, trace
+                request_id, prompt_token_ids, params, kv_expected, kv_wait_s, trace, fetch_blocks
             ):
                 channel.put(request_id, item)
         except asyncio.CancelledError:
@@ -196,7 +205,7 @@ class DecodeServer(WorkerReplica):
             error: ErrorItem = {"type": "error", "message": f"{type(exc).__name__}: {exc}"}
             channel.put(request_id, error)
         finally:
-            self._release(request_id, kv_expected)
+            self._release(request_id, kv_expected, fetch_blocks > 0)
             channel.tasks.pop(request_id, None)
 
     async def generate(
@@ -215,9 +224,7 @@ class DecodeServer(WorkerReplica):
         call (a Serve stream per request, as benchmarks/router_overhead.py measures).
         `kv_expected`, `kv_wait_s`, `trace`: as `submit`'s.
         """
-        accepted = await self._accept(
-            request_id, prompt_token_ids, kv_expected, kv_wait_s, params.cache_salt
-        )
+        accepted = await self._accept(request_id, prompt_token_ids, kv_expected, kv_wait_s, params)
         try:
             yield accepted
             async for item in self._outputs(
@@ -233,33 +240,46 @@ class DecodeServer(WorkerReplica):
         prompt_token_ids: list[int],
         kv_expected: bool,
         kv_wait_s: float | None,
-        cache_salt: str | None = None,
+        params: SamplingParams | None = None,
+        fetch_blocks: int = 0,
     ) -> Accepted:
         """Take a request: with `kv_expected` (disaggregated mode) the receiver expects
         its KV from now on, for `kv_wait_s` (the router derives it from its estimate of the
         prefill; at most `kv_wait_timeout_s`, which is also the wait without it), hashed
-        in the request's `cache_salt` namespace.
+        in the request's namespace (its `params`' cache salt and LoRA adapter).
 
         This replica takes the KV even when it is not the one placement chose (the
         `target_replica` the request router reads): the router pushes to the address
         returned here, so the split happens whoever serves.
         """
         kv_expected = kv_expected and self.config.mode == "disagg"
+        salt, lora = (None, None) if params is None else (params.cache_salt, params.lora)
         if kv_expected:
             try:
-                await self.worker.expect_kv_all(request_id, prompt_token_ids, kv_wait_s, cache_salt)
+                await self.worker.expect_kv_all(request_id, prompt_token_ids, kv_wait_s, salt, lora)
             except TransferError as exc:  # e.g. the id is expected here already
                 why = "%s: cannot take KV here (%r); prefilling locally"
                 self._log.log("not_target", why, request_id, exc)
                 kv_expected = False
         if kv_expected:
             self._awaiting_kv[request_id] = None
-        return {
+        accepted: Accepted = {
             "type": "accepted",
             "kv_expected": kv_expected,
             "worker_id": self.worker_id,
             "address": self.address,
         }
+        if fetch_blocks > 0 and not kv_expected:
+            try:
+                self.worker.expect_fetch(
+                    request_id, prompt_token_ids, fetch_blocks, kv_wait_s, salt, lora
+                )
+            except TransferError as exc:
+                self._log.log("fetch_refused", "%s: cannot take a fetch (%r)", request_id, exc)
+            else:
+                self._awaiting_kv[fetch_id(request_id)] = None
+                accepted["fetch_expected"] = True
+        return accepted
 
     async def _outputs(
         self,
@@ -269,6 +289,7 @@ class DecodeServer(WorkerReplica):
         kv_expected: bool,
         kv_wait_s: float | None,
         trace: dict[str, str] | None = None,
+        fetch_blocks: int = 0,
     ) -> AsyncIterator[OutputItem]:
         info: dict[str, Any] = {}
         first = True
@@ -296,7 +317,7 @@ class DecodeServer(WorkerReplica):
         running = set(range(params.n))
         try:
             async for out in self.worker.generate(
-                request_id, prompt_token_ids, params, kv_expected, info, kv_wait_s
+                request_id, prompt_token_ids, params, kv_expected, info, kv_wait_s, fetch_blocks
             ):
                 item = _output_item(out)
                 if params.n > 1:
@@ -308,6 +329,9 @@ class DecodeServer(WorkerReplica):
                     item.update(_first_item_extras(out, info, self.config.block_size))
                     if kv_expected and not info.get("kv_used"):
                         item["local_prefill"] = self._local_prefill_reason(request_id, info)
+                    if fetch_blocks:
+                        item["fetch"] = self._fetch_outcome(request_id, info)
+                        item["fetched_blocks"] = int(info.get("fetched_blocks", 0))
                     first = False
                     if span is not None:
                         first_s, first_item = time.monotonic(), item
@@ -377,10 +401,36 @@ class DecodeServer(WorkerReplica):
                 span.set_attribute("pdserve.local_prefill_reason", first_item["local_prefill"])
         span.end()
 
-    def _release(self, request_id: str, kv_expected: bool) -> None:
+    def _release(self, request_id: str, kv_expected: bool, fetch: bool = False) -> None:
         self._awaiting_kv.pop(request_id, None)
         if kv_expected:
             self.worker.cancel_kv(request_id)  # idempotent; frees late KV
+        if fetch:
+            self._awaiting_kv.pop(fetch_id(request_id), None)
+            self.worker.receiver.cancel(fetch_id(request_id))
+
+    def _fetch_outcome(self, request_id: str, info: dict[str, Any]) -> str:
+        """What became of a peer fetch: "used", or why not (`pdserve_kv_fetch_total`)."""
+        if info.get("fetch") in ("used", "already_held"):
+            return str(info["fetch"])
+        error = info.get("fetch_error")
+        cancelled = self._awaiting_kv.get(fetch_id(request_id))
+        if isinstance(error, UnknownRequestError) and cancelled is not None:
+            outcome = cancelled  # the router ended the wait: the holder's push failed
+        elif isinstance(error, TransferTimeoutError | LeaseExpiredError):
+            outcome = "late"
+        elif isinstance(error, KVImportError):
+            outcome = "unusable"
+        else:
+            outcome = "transfer_failed"
+        self._log.log(
+            f"fetch_{outcome}",
+            "%s: fetched prefix not used (%s: %r); computed here",
+            request_id,
+            outcome,
+            error,
+        )
+        return outcome
 
     def _local_prefill_reason(self, request_id: str, info: dict[str, Any]) -> str:
         """Why expected KV was not used (a label of the router's local-prefill counter)."""

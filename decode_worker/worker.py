@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pdserve.cluster.messages import fetch_id
 from pdserve.common.hashing import hash_block_chain
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
@@ -135,6 +136,31 @@ class DecodeWorker:
             with contextlib.suppress(EngineClosedError):  # a closed engine holds nothing
                 self.engine.submit(lambda e: e.drop_kv(request_id))
 
+    def expect_fetch(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        num_blocks: int,
+        wait_s: float | None = None,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> None:
+        """Register a peer fetch of the prompt's first `num_blocks` full blocks for
+        `request_id` (its KV arrives under `fetch_id(request_id)`, from the worker that
+        holds them, pushed when the router tells it). Raises TransferError with tensor
+        parallelism (a fetch moves one rank's KV) or when the id is expected already."""
+        if self.ranks is not None:
+            raise TransferError("a peer fetch does not run with tensor parallelism")
+        chain = self._chain(prompt_token_ids, cache_salt, lora)[:num_blocks]
+        engine = self.engine.engine
+        self.receiver.expect(
+            fetch_id(request_id),
+            self.kv_wait(wait_s),
+            model_id=engine.model_id,
+            block_hashes=chain,
+            leading=True,  # a holder that lost its last blocks sends the rest
+        )
+
     async def generate(
         self,
         request_id: str,
@@ -143,6 +169,7 @@ class DecodeWorker:
         kv_expected: bool = False,
         info: dict[str, Any] | None = None,
         kv_wait_s: float | None = None,
+        fetch_blocks: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the first one is prefill's token when KV came.
 
@@ -157,6 +184,12 @@ class DecodeWorker:
         expected KV was not used, "kv_error" (why: the claim's TransferError or the
         import's KVImportError; the deployment logs and reports it); "kv_bytes" and
         "kv_blocks" when KV was received (tracing).
+
+        `fetch_blocks` (a request that computes its prompt here, `expect_fetch` called):
+        the prompt's first blocks come from a peer instead; "fetch" in `info` says what
+        became of them: "used" ("fetched_blocks" written), or "fetch_error" holds why
+        not (the claim's TransferError, the import's KVImportError), and the prompt is
+        computed here as it would have been without the fetch.
         """
         info = {} if info is None else info
         # parallel sampling: choice i (ids `choice_id`) seeded as SamplingParams.choice_params
@@ -165,6 +198,9 @@ class DecodeWorker:
         choice_ids = [choice_id(request_id, i) for i in range(1, n)]
         params = choices_params[0]
         received = await self._claim(request_id, info, kv_wait_s) if kv_expected else None
+        fetched = None
+        if fetch_blocks and not kv_expected:
+            fetched = await self._claim_fetch(request_id, info, kv_wait_s)
         info.update(kv_used=False, first_block=0, ready_s=time.monotonic())
         if received is not None:
             info.update(kv_bytes=received.stats.num_bytes, kv_blocks=received.header.num_blocks)
@@ -206,6 +242,8 @@ class DecodeWorker:
                     logger.debug("%s: arrived KV unusable (%s); prefilling here", request_id, exc)
             if kv_expected:  # the KV never came, or could not be used
                 self.num_local_fallbacks += 1
+            if fetched is not None:
+                self._import_fetched(engine, request_id, fetched, prompt_token_ids, params, info)
             engine.add_request(request_id, prompt_token_ids, params, stream=True)
             return None
 
@@ -219,7 +257,12 @@ class DecodeWorker:
 
         # the import is done with the received buffer once `start` has run (a pinned copy
         # goes on on its own: engine/worker/kv_staging.py), so the buffer can go back then
-        release = received.release if received is not None else None
+        held = [r for r in (received, fetched) if r is not None]
+
+        def release() -> None:
+            for r in held:
+                r.release()
+
         # coalesce: a stream that falls behind sends several tokens per message
         if n == 1:
             stream = self.engine.stream(request_id, start, on_started=release, coalesce=True)
@@ -229,6 +272,49 @@ class DecodeWorker:
             )
         async for out in stream:
             yield out
+
+    async def _claim_fetch(
+        self, request_id: str, info: dict[str, Any], wait_s: float | None
+    ) -> ReceivedKV | None:
+        """The fetched prefix's KV (None, "fetch_error" in `info`, when it did not come)."""
+        try:
+            return await self.receiver.claim(fetch_id(request_id), self.kv_wait(wait_s))
+        except TransferError as exc:
+            info["fetch_error"] = exc
+            logger.debug("%s: no fetched prefix (%s); computing it here", request_id, exc)
+            return None
+
+    @staticmethod
+    def _import_fetched(
+        engine: LLMEngine,
+        request_id: str,
+        fetched: ReceivedKV,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        info: dict[str, Any],
+    ) -> None:
+        """Cache the fetched prefix for request `request_id`, added right after on the
+        same thread (held for it until it is admitted)."""
+        header = fetched.header
+        ((_, payload),) = received_tensors(fetched)
+        info.update(fetch_bytes=fetched.stats.num_bytes, fetch_seconds=fetched.stats.seconds)
+        try:
+            n = engine.import_prefix(
+                prompt_token_ids,
+                payload,
+                header.first_block_index,
+                header.block_hashes,
+                params.cache_salt,
+                params.lora,
+                for_request=request_id,
+            )
+        except KVImportError as exc:
+            info["fetch_error"] = exc
+            logger.debug("%s: fetched prefix unusable (%s)", header.request_id, exc)
+            return
+        # none written: this worker held the blocks already (Serve gave the request to
+        # another replica than the one placement chose, or it computed them meanwhile)
+        info.update(fetch="used" if n else "already_held", fetched_blocks=n)
 
     async def _claim(
         self, request_id: str, info: dict[str, Any], wait_s: float | None

@@ -56,6 +56,7 @@ from pdserve.engine.spec_decode.proposer import (
 from pdserve.engine.timeline import EngineTimeline
 from pdserve.engine.worker.cuda_graphs import cuda_graphs_enabled
 from pdserve.engine.worker.kv_disk_tier import HEADER_BYTES, DiskKVTier
+from pdserve.engine.worker.kv_fetch import export_prefix, import_prefix, prefix_sequence
 from pdserve.engine.worker.kv_handoff import (
     HeadRange,
     KVExport,
@@ -273,6 +274,8 @@ class LLMEngine:
         )
         self._namespace = hash_namespace(self.model_id, config.cache_salt)
         self._seqs: dict[str, Sequence] = {}
+        # fetched prefixes held for the request they came for, until it is admitted
+        self._prefix_holds: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished prefills keeping their blocks
         self._trackers: dict[str, TextTracker] = {}
         # parallel sampling: parent request id -> the choices to fork from it once its
@@ -667,6 +670,97 @@ class LLMEngine:
                 own_start=own[0],
             )
 
+    def export_prefix(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        num_blocks: int,
+        first_block: int = 0,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> KVExport | None:
+        """Peer fetch, holder side: blocks `first_block`.. of the prompt's first
+        `num_blocks` full blocks that this engine holds (pool or lower tier), packed as
+        a handoff's payload with their hashes (engine/worker/kv_fetch.py); None when it
+        holds no more than `first_block` of them. `release()` it once sent."""
+        self._check_fetch("export")
+        seq = prefix_sequence(
+            request_id,
+            prompt_token_ids,
+            num_blocks,
+            self.config.block_size,
+            self.namespace_for(cache_salt, lora),
+        )
+        with on_device(self.device):
+            return export_prefix(seq, num_blocks, first_block, self.kv_manager, self.kv_staging)
+
+    def import_prefix(
+        self,
+        prompt_token_ids: Seq[int],
+        payload: torch.Tensor,
+        first_block: int,
+        block_hashes: Seq[BlockHash],
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        for_request: str | None = None,
+    ) -> int:
+        """Peer fetch, receiving side: cache a fetched prefix (blocks `first_block`.. of
+        the prompt, hashed `block_hashes`) so that the request added next finds it;
+        returns the blocks written. `for_request`: that request's id; the prefix stays
+        referenced until it is admitted (or gone), so that nothing evicts it meanwhile.
+        Raises KVImportError, holding nothing, when the payload does not fit (the
+        request then computes its whole prompt)."""
+        self._check_fetch("import")
+        seq = prefix_sequence(
+            "fetch",
+            prompt_token_ids,
+            first_block + len(block_hashes),
+            self.config.block_size,
+            self.namespace_for(cache_salt, lora),
+        )
+        hold = for_request is not None and for_request not in self._prefix_holds
+        with on_device(self.device):
+            written = import_prefix(
+                seq, payload, first_block, block_hashes, self.kv_manager, self.kv_staging, hold
+            )
+        if hold:
+            assert for_request is not None
+            self._prefix_holds[for_request] = seq
+        return written
+
+    def _release_prefix_holds(self, scheduled: SchedulerOutput) -> None:
+        """Fetched prefixes whose request was admitted (it references them now) or is
+        gone: their holds end."""
+        for item in scheduled.scheduled:
+            hold = self._prefix_holds.pop(item.seq.request_id, None)
+            if hold is not None:
+                self.kv_manager.free(hold)
+        for request_id in [r for r in self._prefix_holds if r not in self._seqs]:
+            self.kv_manager.free(self._prefix_holds.pop(request_id))
+
+    def held_prefix_blocks(
+        self, prompt_token_ids: Seq[int], cache_salt: str | None = None, lora: str | None = None
+    ) -> int:
+        """How many leading full blocks of the prompt this engine holds (pool or lower
+        tier) that its admission could use: what a peer fetch would start after."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        num_blocks = (len(prompt_token_ids) - 1) // self.config.block_size
+        seq = prefix_sequence(
+            "lookup",
+            prompt_token_ids,
+            num_blocks,
+            self.config.block_size,
+            self.namespace_for(cache_salt, lora),
+        )
+        return len(self.kv_manager.get_computed_blocks(seq)[:num_blocks])
+
+    def _check_fetch(self, what: str) -> None:
+        if self.tp_workers is not None or self.config.tensor_parallel_size > 1:
+            raise KVImportError(f"a peer fetch cannot {what} KV with tensor parallelism")
+        if not self.config.enable_prefix_caching:
+            raise KVImportError(f"a peer fetch cannot {what} KV without prefix caching")
+
     def release_kv(self, request_id: str) -> None:
         """Prefill role: drop a held request's blocks (they stay in the prefix cache)."""
         seq = self._held.pop(request_id, None)
@@ -861,6 +955,8 @@ class LLMEngine:
         start_s = self.clock()
         start_wall = time.time()
         sched_out = self.scheduler.schedule()
+        if self._prefix_holds:
+            self._release_prefix_holds(sched_out)
         if sched_out.is_empty:
             return []
         if len(self.kv_staging.imports):  # KV still copying in (engine/worker/kv_staging.py)

@@ -129,9 +129,12 @@ class KVReceiver(ABC):
         *,
         model_id: str | None = None,
         block_hashes: Sequence[bytes] | None = None,
+        leading: bool = False,
     ) -> None:
         """`ReceiverCore.expect`: the request's KV may arrive, for this model and prompt."""
-        self.core.expect(request_id, timeout_s, model_id=model_id, block_hashes=block_hashes)
+        self.core.expect(
+            request_id, timeout_s, model_id=model_id, block_hashes=block_hashes, leading=leading
+        )
 
     async def claim(self, request_id: str, timeout_s: float) -> ReceivedKV:
         return await self.core.claim(request_id, timeout_s)

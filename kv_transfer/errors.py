@@ -68,6 +68,11 @@ class TransferTimeoutError(TransferError):
     """The transfer (or a claim) did not complete within its timeout."""
 
 
+class NotHeldError(TransferError):
+    """A peer fetch's holder no longer holds the prefix the index said it did (evicted
+    meanwhile): nothing was sent, and the receiver computes the prompt."""
+
+
 _BY_CODE: dict[int, type[TransferError]] = {
     cls.code: cls
     for cls in (

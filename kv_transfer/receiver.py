@@ -128,6 +128,7 @@ class _Slot:
     timer: asyncio.TimerHandle
     model_id: str | None = None  # what the header must say, when the expectation knows
     block_hashes: tuple[bytes, ...] | None = None  # the prompt's full blocks, from block 0
+    leading: bool = False  # a peer fetch: the leading part of `block_hashes` will do
     parts: dict[int, _Part] = field(default_factory=dict)  # by head start
 
 
@@ -171,6 +172,7 @@ class ReceiverCore:
         *,
         model_id: str | None = None,
         block_hashes: Sequence[bytes] | None = None,
+        leading: bool = False,
     ) -> None:
         """Announce that KV for `request_id` may arrive; it must within `timeout_s`.
 
@@ -179,6 +181,8 @@ class ReceiverCore:
         is refused with `KVMismatchError` (None: not checked). The cluster token only
         says who may push; this says the push is the KV of this prompt on this model,
         so a mixed-up push (another model's pool, a reused request id) never decodes.
+        `leading` (a peer fetch, whose holder may have lost the last blocks meanwhile):
+        KV of the chain's first blocks only, at least one, is taken too.
         """
         if request_id in self._slots:
             raise DuplicateTransferError(f"request {request_id!r} is already expected")
@@ -190,6 +194,7 @@ class ReceiverCore:
             timer=timer,
             model_id=model_id,
             block_hashes=None if block_hashes is None else tuple(block_hashes),
+            leading=leading,
         )
 
     async def claim(self, request_id: str, timeout_s: float) -> ReceivedKV:
@@ -496,6 +501,8 @@ def _mismatch(slot: _Slot, header: TransferHeader) -> str | None:
         return f"KV of model {header.model_id!r}, expected {slot.model_id!r}"
     if slot.block_hashes is not None:
         want = slot.block_hashes[header.first_block_index :]
+        if slot.leading and 0 < len(header.block_hashes) < len(want):
+            want = want[: len(header.block_hashes)]
         if header.block_hashes != want:
             pairs = zip(header.block_hashes, want, strict=False)  # lengths may differ
             bad = next(

@@ -30,6 +30,7 @@ from pdserve.cluster import tracing
 from pdserve.cluster.messages import LoadReport, PrefillReport
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_sender
+from pdserve.kv_transfer.base import KVSender
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.runtime.replica import WorkerReplica
 
@@ -60,6 +61,10 @@ class PrefillServer(WorkerReplica):
         await self.worker.warm_up(min(cfg.max_num_batched_tokens, 512))
         self.tracer = tracing.tracer("prefill")  # None unless OTEL_* variables ask for it
         await self.join_index("")
+
+    def prefix_sender(self) -> KVSender:
+        """A peer fetch's push goes out on the prefill pushes' own sender."""
+        return self.worker.sender
 
     async def prefill(
         self,

@@ -290,6 +290,7 @@ class ChannelStream:
         kv_expected: bool,
         kv_wait_s: float | None,
         trace: dict[str, str] | None = None,
+        fetch_blocks: int = 0,
     ) -> None:
         self._channels = channels
         self._request_id = request_id
@@ -298,6 +299,8 @@ class ChannelStream:
         self._kwargs: dict[str, Any] = {"kv_expected": kv_expected, "kv_wait_s": kv_wait_s}
         if trace is not None:  # tracing on: the W3C carrier of the router's span
             self._kwargs["trace"] = trace
+        if fetch_blocks:  # a peer pushes the prompt's first blocks (router/fetch.py)
+            self._kwargs["fetch_blocks"] = fetch_blocks
         self._conn: Connection | None = None
         self._queue: asyncio.Queue[StreamItem | BaseException] | None = None
         self._finished = False

@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
 from opentelemetry.trace import Span, SpanKind, Tracer
@@ -49,18 +49,26 @@ from pdserve.cluster.log_once import OncePerCause
 from pdserve.cluster.messages import (
     Accepted,
     DecodeHandle,
+    FetchReport,
     LoadReport,
     OutputItem,
     PrefillHandle,
     PrefillReport,
     WorkerState,
+    fetch_id,
 )
 from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
-from pdserve.common.hashing import BlockHash, hash_block_chain, hash_namespace
+from pdserve.common.hashing import (
+    BlockHash,
+    hash_block_chain,
+    hash_namespace,
+    request_namespace,
+)
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.router.channels import ChannelStream, DecodeChannels
 from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s, past_bound
+from pdserve.router.fetch import Fetch, choose_fetch
 from pdserve.router.load import Hold, LoadBook
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Choice, Placer
@@ -114,6 +122,8 @@ class Placed(NamedTuple):
     local: Option | None = None
     decode_running: int = 0
     least_queued: tuple[Choice, Option] | None = None
+    # every live worker's hit on the prompt, either pool (peer fetch, router/fetch.py)
+    matches: Mapping[str, MatchResult] | None = None
 
 
 class Route:
@@ -124,10 +134,17 @@ class Route:
     so that the next request's estimate already sees it.
     """
 
-    def __init__(self, placed: Placed, decision: Decision | None, kv_wait_s: float | None):
+    def __init__(
+        self,
+        placed: Placed,
+        decision: Decision | None,
+        kv_wait_s: float | None,
+        fetch: Fetch | None = None,
+    ):
         self.placed = placed
         self.decision = decision
         self.kv_wait_s = kv_wait_s
+        self.fetch = fetch  # the prefix the chosen decode worker gets from a peer
         self._held: dict[str, Hold] = {}
 
     def hold(self, what: str, counter: Counter[str], worker_id: str, tokens: int) -> None:
@@ -324,7 +341,8 @@ class RouterCore:
                 rates[prefill.worker_id],
                 extra_s=self.rates.push_s(last_block + 1 - skipped),
             )
-        return Placed(prefill, decode, True, remote, local, running)
+        everyone = {**by_role["prefill"], **by_role["decode"]}
+        return Placed(prefill, decode, True, remote, local, running, matches=everyone)
 
     def _place_colocated(
         self, decode: Choice | None, matches: dict[str, MatchResult], n: int
@@ -353,9 +371,11 @@ class RouterCore:
             m = matches[o.worker_id]
             least = (Choice(o.worker_id, m.worker.address, m.matched_blocks), o)
         running = self.load.running(matches[decode.worker_id])
-        return Placed(None, decode, True, None, options[decode.worker_id], running, least)
+        return Placed(None, decode, True, None, options[decode.worker_id], running, least, matches)
 
-    def _route_colocated(self, placed: Placed, resume: bool, bound_s: float) -> Route:
+    def _route_colocated(
+        self, placed: Placed, resume: bool, bound_s: float, num_prompt_tokens: int
+    ) -> Route:
         """Admit a colocated attempt (see the module's docstring) and reserve its place
         in the chosen decode worker's prefill queue."""
         local = placed.local
@@ -371,9 +391,36 @@ class RouterCore:
             placed = placed._replace(decode=least[0], local=least[1])
             local = least[1]
         route = Route(placed, None, None)
-        if local is not None:
-            route.hold("local", self.load.local_tokens, local.worker_id, local.uncached_tokens)
+        self._hold_local(route, local, num_prompt_tokens)
         return route
+
+    def _hold_local(self, route: Route, local: Option | None, num_prompt_tokens: int) -> None:
+        """A prompt the chosen decode worker prefills: plan its peer fetch, if any (and
+        the wait for it: as for a remote prefill's KV, from what computing the blocks
+        would take), and reserve the rest in that worker's prefill queue."""
+        if local is None:
+            return
+        fetch = None
+        if route.placed.matches is not None:
+            fetch = choose_fetch(
+                local.worker_id,
+                route.placed.matches,
+                num_prompt_tokens,
+                self.config.block_size,
+                self.config.kv_fetch_min_blocks,
+                local.tokens_per_s,
+                self.rates.fetch_rate(time.monotonic()),
+            )
+        tokens = local.uncached_tokens
+        if fetch is not None:
+            route.fetch = fetch
+            if fetch.compute_s is not None:
+                cfg = self.config
+                wait = cfg.kv_wait_factor * fetch.compute_s + cfg.kv_wait_floor_s
+                route.kv_wait_s = min(wait, cfg.kv_wait_timeout_s)
+            fetched = (fetch.num_blocks - fetch.first_block) * self.config.block_size
+            tokens = max(tokens - fetched, 1)  # the fetched blocks are not computed there
+        route.hold("local", self.load.local_tokens, local.worker_id, tokens)
 
     async def route(
         self,
@@ -408,9 +455,8 @@ class RouterCore:
         if decision.where == "remote" and placed.remote is not None:
             r = placed.remote
             route.hold("prefill", self.load.prefill_tokens, r.worker_id, r.uncached_tokens)
-        elif decision.where == "local" and placed.local is not None:
-            loc = placed.local
-            route.hold("local", self.load.local_tokens, loc.worker_id, loc.uncached_tokens)
+        elif decision.where == "local":
+            self._hold_local(route, placed.local, len(prompt_ids))
         return route
 
     async def _traced_route(
@@ -634,6 +680,7 @@ class RouterCore:
                 },
             )
             trace = tracing.carrier(dispatch)
+        fetch = route.fetch if d is not None and not want_kv else None
         stream = ChannelStream(
             self.channels,
             request_id,
@@ -643,8 +690,10 @@ class RouterCore:
             want_kv,
             route.kv_wait_s,
             trace=trace,
+            fetch_blocks=fetch.num_blocks if fetch is not None else 0,
         )
         prefill_task: asyncio.Task[None] | None = None
+        fetch_task: asyncio.Task[None] | None = None
         report: dict[str, Any] = {}  # the PrefillReport, when its call returns
         finished = False
         counted = False  # this attempt's local prefill (if any) is counted
@@ -659,6 +708,20 @@ class RouterCore:
                 inflight_at = serving
                 self.load.stream_opened(inflight_at)
             kv_expected = bool(accepted["kv_expected"])
+            if fetch is not None and not accepted.get("fetch_expected"):
+                self.metrics.fetches.labels("refused").inc()
+            elif fetch is not None and serving == fetch.holder:
+                # Serve gave the request to the holder itself: it has the blocks already
+                why = "already_held"
+                fetch_task = asyncio.create_task(
+                    self._cancel_kv(fetch_id(request_id), why, serving)
+                )
+            elif fetch is not None:
+                if d is not None and serving != d.worker_id:
+                    fetch = fetch._replace(first_block=0)  # Serve gave it to another replica
+                fetch_task = asyncio.create_task(
+                    self._fetch(request_id, prompt_ids, params, fetch, accepted["address"], serving)
+                )
             if want_kv and not kv_expected:
                 local_reason = "not_target"  # the replica that took it would not take KV
             if kv_expected:
@@ -690,6 +753,9 @@ class RouterCore:
                 item = await self._output(stream, timeout, what)
                 if not counted:
                     counted = True
+                    if "fetch" in item:
+                        self.metrics.fetches.labels(item["fetch"]).inc()
+                        self.metrics.fetch_blocks.inc(item.get("fetched_blocks", 0))
                     route.release("local")  # D prefilled it (if it had to)
                     self._learn_local_rate(serving, item)
                     reason = local_reason
@@ -734,6 +800,11 @@ class RouterCore:
             self.load.stream_closed(inflight_at)
             if not finished:
                 stream.cancel()
+            if fetch_task is not None and not fetch_task.done():
+                if finished:  # the holder's report (bytes, the push's rate) is due now
+                    await asyncio.wait([fetch_task], timeout=self.config.transfer_timeout_s)
+                fetch_task.cancel()
+                await asyncio.wait([fetch_task])
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
                 # asyncio.wait: never raises the task's error, and lets our own
@@ -904,6 +975,55 @@ class RouterCore:
         m.ttft_stage.labels("prefill_queue").observe(result["queue_s"])
         m.ttft_stage.labels("prefill_compute").observe(result["compute_s"])
         m.ttft_stage.labels("transfer").observe(result["pack_s"] + result["transfer_s"])
+
+    async def _fetch(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        fetch: Fetch,
+        address: str,
+        receiver: str | None,
+    ) -> None:
+        """Have `fetch.holder` push the prefix to `address` (the receiver of decode replica
+        `receiver`, which expects it); on failure tell the receiver to stop waiting and
+        compute the prompt now (the outcome it reports says why)."""
+        fid = fetch_id(request_id)
+        try:
+            holder = self.prefill if fetch.holder_role == "prefill" else self.decode
+            assert holder is not None
+            result: FetchReport = await asyncio.wait_for(
+                holder.push_prefix.remote(
+                    fid,
+                    prompt_ids,
+                    fetch.num_blocks,
+                    fetch.first_block,
+                    address,
+                    params.cache_salt,
+                    target_replica=fetch.holder,
+                    **({} if params.lora is None else {"lora": params.lora}),
+                ),
+                self.config.transfer_timeout_s + _STATE_TIMEOUT_S,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # Ray's error types wrap the holder's
+            reason = "not_held" if "NotHeldError" in repr(exc) else "holder_failed"
+            self._log.log(
+                f"fetch: {reason}",
+                "%s: the prefix fetch from %s failed (%s: %r); %s computes it",
+                request_id,
+                fetch.holder,
+                reason,
+                exc,
+                receiver,
+            )
+            await self._cancel_kv(fid, reason, receiver)
+            return
+        if receiver is not None:
+            seconds, blocks = result["seconds"], result["num_blocks"]
+            self.rates.fetch_done(fetch.holder, receiver, seconds, blocks, time.monotonic())
+        self.metrics.fetch_bytes.inc(result["num_bytes"])
 
     async def _cancel_kv(self, request_id: str, reason: str, worker_id: str | None) -> None:
         """Tell the decode worker waiting for `request_id`'s KV to prefill it now."""

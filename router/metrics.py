@@ -41,6 +41,24 @@ LOCAL_PREFILL_REASONS = (
     "resume",
     "policy",
 )
+# What became of a peer fetch (the receiver computes the prompt unless "used"): used:
+# its blocks were written and served as a prefix hit; already_held: the worker that took
+# the request held them itself (Serve gave it another replica than placement chose);
+# not_held: the holder no longer held
+# them; holder_failed: the holder's push failed or the holder was unreachable; late: not
+# there within the wait; transfer_failed: refused by the receiver's checks or cut off;
+# unusable: arrived but could not be written into the receiver's pool; refused: the
+# receiver could not take a fetch (tensor parallelism, the id expected already).
+FETCH_OUTCOMES = (
+    "used",
+    "already_held",
+    "not_held",
+    "holder_failed",
+    "late",
+    "transfer_failed",
+    "unusable",
+    "refused",
+)
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill_compute", "transfer", "decode_queue")
 _WORKER_GAUGES = {
     "running": "Requests in the running batch",
@@ -129,6 +147,9 @@ class ModelMetrics:
         self.transfer_blocks = p.transfer_blocks.labels(model)
         self.transfer_seconds = p.transfer_seconds.labels(model)
         self.transfers_failed = p.transfers_failed.labels(model)
+        self.fetches = _Partial(p.fetches, model)
+        self.fetch_blocks = p.fetch_blocks.labels(model)
+        self.fetch_bytes = p.fetch_bytes.labels(model)
         self.resumes = p.resumes.labels(model)
         self.ttft_stage = _Partial(p.ttft_stage, model)
         self.requests = _Partial(p.requests, model)
@@ -153,6 +174,8 @@ class ModelMetrics:
             self.index_matches.labels(source)
         for result in ("stored", "too_large", "error"):
             self.result_cache_stores.labels(result)
+        for outcome in FETCH_OUTCOMES:
+            self.fetches.labels(outcome)
         for reason in LOCAL_PREFILL_REASONS:  # every reason shows, at 0 until it happens
             self.local_prefills.labels(reason)
         for where, reasons in REASONS.items():
@@ -238,6 +261,24 @@ class RouterMetrics:
         self.transfers_failed = Counter(
             "pdserve_kv_transfer_failures",
             "Pushes that failed (decode prefilled locally)",
+            ["model"],
+            registry=r,
+        )
+        self.fetches = Counter(
+            "pdserve_kv_fetch",
+            "Peer fetches of a prompt prefix from the worker holding it, by outcome",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.fetch_blocks = Counter(
+            "pdserve_kv_fetch_blocks",
+            "KV blocks a peer fetch wrote into the receiving worker's pool",
+            ["model"],
+            registry=r,
+        )
+        self.fetch_bytes = Counter(
+            "pdserve_kv_fetch_bytes",
+            "KV bytes holders pushed for peer fetches",
             ["model"],
             registry=r,
         )

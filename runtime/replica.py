@@ -18,13 +18,16 @@ import redis.asyncio as aioredis
 import torch
 
 from pdserve.cluster.config import ClusterConfig, parse_cpu_set
-from pdserve.cluster.messages import LoadReport
+from pdserve.cluster.messages import FetchReport, LoadReport
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.common.kv_events import KVEvent
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv_transfer.base import tune_malloc
+from pdserve.kv_transfer import make_sender
+from pdserve.kv_transfer.base import KVSender, tune_malloc
+from pdserve.kv_transfer.torch_payload import layout_of
 from pdserve.runtime.index_member import IndexMember, LastKnownLoad
+from pdserve.runtime.prefix_push import push_prefix
 
 if TYPE_CHECKING:
     from pdserve.runtime.tp_ranks import RayRankLauncher
@@ -112,6 +115,53 @@ class WorkerReplica:
         self.member: IndexMember | None = None
         self._flush_task: asyncio.Task[None] | None = None
         self._flush_again = False
+        self._prefix_sender: KVSender | None = None  # made at this replica's first push
+
+    def prefix_sender(self) -> KVSender:
+        """The sender of this replica's peer-fetch pushes (the prefill role uses its own)."""
+        if self._prefix_sender is None:
+            cfg = self.config
+            self._prefix_sender = make_sender(cfg.transport, tls=cfg.transfer_tls())
+        return self._prefix_sender
+
+    async def push_prefix(
+        self,
+        fetch: str,
+        prompt_token_ids: list[int],
+        num_blocks: int,
+        first_block: int,
+        address: str,
+        cache_salt: str | None = None,
+        target_replica: str | None = None,
+        lora: str | None = None,
+    ) -> FetchReport:
+        """Peer fetch, holder side (runtime/prefix_push.py): push blocks `first_block`..
+        of the prompt's first `num_blocks` full blocks that this replica holds to the
+        receiver at `address`, as transfer `fetch`. Raises the transfer's typed error, or
+        `NotHeldError` when it holds none of them: the receiver then computes them."""
+        cfg = self.config
+        engine = self.engine.engine  # immutable settings only: safe off the engine thread
+        stats = await push_prefix(
+            self.engine,
+            self.prefix_sender(),
+            layout_of(engine.runner.kv_cache, engine.config.kv_cache_dtype),
+            cfg.cluster_token,
+            fetch,
+            prompt_token_ids,
+            num_blocks,
+            first_block,
+            address,
+            cache_salt,
+            lora,
+            lease_ms=int(cfg.kv_wait_timeout_s * 1000),
+            timeout_s=cfg.transfer_timeout_s,
+        )
+        return {
+            "worker_id": self.worker_id,
+            "num_blocks": stats.num_blocks,
+            "num_bytes": stats.num_bytes,
+            "seconds": stats.seconds,
+        }
 
     async def index_load(self) -> dict[str, int]:
         """The gauges each heartbeat publishes (the router's /metrics shows them)."""
@@ -213,6 +263,9 @@ class WorkerReplica:
     async def shutdown(self) -> None:
         if self.member is not None:
             await self.member.stop()
+        if self._prefix_sender is not None:
+            with contextlib.suppress(Exception):  # shutting down: the rest must stop too
+                await self._prefix_sender.close()
         await self.engine.close()
         await self.redis.aclose()
 

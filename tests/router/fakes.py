@@ -1,8 +1,9 @@
 """In-process stand-ins for the router's collaborators: no Ray, no Redis.
 
 - `FakeDecode`: a decode replica's channel calls (`channel`, `submit`, `abort`,
-  `cancel_kv`), built on the real `decode_worker.channels.Channels`; the test plays the
-  engine (`emit`, or items scripted per request before it is submitted).
+  `cancel_kv`; `push_prefix` as a peer fetch's holder), built on the real
+  `decode_worker.channels.Channels`; the test plays the engine (`emit`, or items
+  scripted per request before it is submitted).
 - `FakeHandle`: a decode deployment handle over such replicas, as Ray Serve routes calls:
   to the target replica, or spread over the replicas without one.
 - `FakePrefill`: a prefill deployment handle whose `prefill` call records its arguments
@@ -80,6 +81,8 @@ class FakeDecode:
         self.submits: dict[str, dict[str, Any]] = {}  # request id -> the call's arguments
         self.aborted: list[str] = []
         self.kv_cancelled: list[tuple[str, str]] = []  # (request id, reason)
+        self.pushes: list[dict[str, Any]] = []  # push_prefix calls (as a fetch's holder)
+        self.push_error: BaseException | None = None  # each push_prefix raises it
         self.running: dict[str, asyncio.Queue[Any]] = {}
         self.script: dict[str, list[dict[str, Any]]] = {}
         self.broken = asyncio.Event()
@@ -135,11 +138,39 @@ class FakeDecode:
                 self.running.pop(request_id, None)
 
         channel.tasks[request_id] = asyncio.create_task(run())
-        return {
+        accepted = {
             "type": "accepted",
             "worker_id": self.worker_id,
             "kv_expected": kv_expected,
             "address": self.address,
+        }
+        if kw.get("fetch_blocks"):
+            accepted["fetch_expected"] = True
+        return accepted
+
+    async def push_prefix(
+        self,
+        fetch: str,
+        prompt_token_ids: list[int],
+        num_blocks: int,
+        first_block: int,
+        address: str,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> dict[str, Any]:
+        """As the decode worker's, a fetch's holder: push the prefix to `address`."""
+        self.log.append(("push_prefix", self.worker_id, fetch))
+        self.pushes.append(
+            {"fetch": fetch, "num_blocks": num_blocks, "first_block": first_block, "to": address}
+        )
+        if self.push_error is not None:
+            raise self.push_error
+        blocks = num_blocks - first_block
+        return {
+            "worker_id": self.worker_id,
+            "num_blocks": blocks,
+            "num_bytes": 4096 * blocks,
+            "seconds": 0.001 * blocks,
         }
 
     async def abort(self, channel_id: str, request_id: str, **kw: Any) -> bool:
@@ -265,10 +296,27 @@ class FakePrefill:
         self.error: BaseException | None = None
         self.blocks_sent = 5
         self.block_bytes = 4096
+        self.pushes: list[dict[str, Any]] = []  # push_prefix calls (as a fetch's holder)
 
     @property
     def prefill(self) -> _PrefillMethod:
         return _PrefillMethod(self._prefill)
+
+    @property
+    def push_prefix(self) -> _PrefillMethod:
+        """As a peer fetch's holder: what it prefilled, pushed to a decode worker."""
+        return _PrefillMethod(self._push_prefix)
+
+    async def _push_prefix(
+        self, fetch: str, prompt_token_ids: list[int], num_blocks: int, first_block: int,
+        address: str, cache_salt: str | None = None, target_replica: str | None = None,
+        lora: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        self.log.append(("push_prefix", self.worker_id, fetch))
+        self.pushes.append({"fetch": fetch, "num_blocks": num_blocks, "to": address})
+        blocks = num_blocks - first_block
+        return {"worker_id": self.worker_id, "num_blocks": blocks, "num_bytes": 4096 * blocks,
+                "seconds": 0.001 * blocks}  # fmt: skip
 
     async def _prefill(
         self,
