@@ -427,6 +427,15 @@ class ClusterConfig(BaseModel):
     kv_host_gib: float = engine_field("kv_host_gib")
     kv_disk_dir: str | None = engine_field("kv_disk_dir")
     kv_disk_gib: float = engine_field("kv_disk_gib")
+    # LoRA adapters of the model (docs/lora.md): every worker replica of both pools
+    # loads each at start; a request names one in `model`.
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters every worker loads at start, name -> PEFT folder (as"
+        " JSON; `pdserve up --lora NAME=PATH`, repeated); a request names one in `model`,"
+        " /v1/models lists each with its base as `parent`",
+    )
+    max_lora_rank: int = engine_field("max_lora_rank")
     # a GPU step stays far below it, so it binds only where a prompt really would stall
     # the streams (CPU)
     tpot_target_ms: float | None = engine_field(
@@ -622,6 +631,7 @@ class ClusterConfig(BaseModel):
             raise ConfigError("redis_url", "must be a redis://, rediss:// or unix:// URL")
         self._check_routes()
         self._check_tensor_parallel()
+        self._check_lora_modules()
         try:
             for role in self.roles():  # the engine's own rules (block_size a power of two, ...)
                 self.engine_config(role)
@@ -630,6 +640,18 @@ class ClusterConfig(BaseModel):
             named = [f for f in ClusterConfig.model_fields if re.search(rf"\b{f}\b", why)]
             raise ConfigError(named[0] if named else "engine", why) from None
         return self
+
+    def _check_lora_modules(self) -> None:
+        """Adapter names never shadow a served model, and need one rank per engine."""
+        for name in self.lora_modules:
+            if not name or name == self.model_id or name in self.model_ids():
+                raise ConfigError(
+                    "lora_modules", f"adapter name {name!r} is empty or names a served model"
+                )
+        if self.lora_modules and (self.tp("prefill") > 1 or self.tp("decode") > 1):
+            raise ConfigError(
+                "lora_modules", "LoRA adapters are not yet served with tensor parallelism"
+            )
 
     def _check_models(self) -> None:
         """Each model's own config is valid, and ids (and so Serve app names) are unique."""
@@ -914,6 +936,7 @@ class ClusterConfig(BaseModel):
             kv_host_gib=self.kv_host_gib,
             kv_disk_dir=self.kv_disk_dir,
             kv_disk_gib=self.kv_disk_gib,
+            max_lora_rank=self.max_lora_rank,
             tpot_target_ms=self.tpot_target_ms,
             prefill_wait_limit_ms=self.prefill_wait_limit_ms,
             seed=self.seed,

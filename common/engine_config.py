@@ -198,6 +198,13 @@ class EngineConfig(BaseModel):
         " per rank (a Serve replica's `placement_group_bundles`, deploy/app.py), which can"
         " also move their own KV slices to and from other replicas (runtime/tp_ranks.py).",
     )
+    max_lora_rank: int = Field(
+        default=64,
+        ge=1,
+        le=512,
+        description="The highest rank of a LoRA adapter this engine loads; one above it is"
+        " refused at load (engine/lora/adapter.py).",
+    )
     distributed_timeout_s: float = Field(
         default=300.0,
         gt=0,

@@ -32,6 +32,18 @@ ROOT_HASH: bytes = hashlib.sha256(b"pdserve/block-hash/v1").digest()
 _MAX_TOKEN_ID = 2**32
 
 
+def lora_model_id(model_id: str, lora: str) -> str:
+    """The id a LoRA adapter's blocks are hashed under: its base model's and its own
+    name, so that no KV block is ever shared across adapters or with the base."""
+    return f"{model_id}\x00lora\x00{lora}"
+
+
+def request_namespace(model_id: str, cache_salt: str | None, lora: str | None) -> bytes:
+    """The namespace of one request's blocks: its model's (or its LoRA adapter's on that
+    model), salted with its `cache_salt`; what the router and every engine hash it in."""
+    return hash_namespace(model_id if lora is None else lora_model_id(model_id, lora), cache_salt)
+
+
 def hash_namespace(model_id: str, cache_salt: str | None = None) -> bytes:
     """Returns the canonical namespace bytes mixed into every block hash.
 

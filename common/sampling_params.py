@@ -48,6 +48,10 @@ class SamplingParams:
     # (common/hashing.py). It rides here because these params reach every engine that
     # hashes the request's blocks (router, prefill and decode workers, resumes).
     cache_salt: str | None = None
+    # Not a sampling setting either: the LoRA adapter the request runs with (None: the
+    # base model), by the name it was loaded under (LLMEngine.load_lora). Its blocks are
+    # hashed in a namespace of their own: no KV is shared across adapters.
+    lora: str | None = None
     priority: int = 0
     # Parallel sampling: choices of one request sharing its prompt's KV. The engine
     # serves one sequence per call; its caller forks the others (`LLMEngine.fork_request`,
@@ -93,6 +97,10 @@ class SamplingParams:
             (
                 self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN,
                 f"cache_salt must be 1 to {MAX_CACHE_SALT_LEN} characters",
+            ),
+            (
+                self.lora is None or 0 < len(self.lora) <= MAX_CACHE_SALT_LEN,
+                f"a LoRA adapter's name must be 1 to {MAX_CACHE_SALT_LEN} characters",
             ),
         ]
         return [message for ok, message in checks if not ok]

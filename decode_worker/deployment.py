@@ -112,6 +112,7 @@ class DecodeServer(WorkerReplica):
         self._log = OncePerCause(logger)
         self.channels = Channels()
         self.tracer = tracing.tracer("decode")  # None unless OTEL_* variables ask for it
+        await self.load_lora_modules()
         self.address = await self.worker.start(start_ranks)
         await self.join_index(self.address)
 

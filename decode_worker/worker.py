@@ -82,24 +82,28 @@ class DecodeWorker:
         prompt_token_ids: Sequence[int],
         wait_s: float | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> None:
         """Register a request whose KV a prefill worker will push (before it is told to).
 
         The receiver takes only this model's KV of this prompt: the push's model id and
         block hashes must match this engine's model id and the prompt's hash chain
         (else KVMismatchError, and the request is prefilled here). `cache_salt`: the
-        request's (its params'): the chain is salted with it, as the prefill worker's is.
+        request's (its params'): the chain is salted with it, as the prefill worker's is;
+        `lora`: its LoRA adapter, whose blocks hash in a namespace of their own.
         """
-        chain = self._chain(prompt_token_ids, cache_salt)
+        chain = self._chain(prompt_token_ids, cache_salt, lora)
         engine = self.engine.engine
         self.receiver.expect(
             request_id, self.kv_wait(wait_s), model_id=engine.model_id, block_hashes=chain
         )
 
-    def _chain(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
+    def _chain(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None, lora: str | None = None
+    ) -> list[bytes]:
         """The prompt's block-hash chain in the request's namespace."""
         engine = self.engine.engine  # immutable settings only: safe off the engine thread
-        namespace = engine.namespace_for(cache_salt)
+        namespace = engine.namespace_for(cache_salt, lora)
         return hash_block_chain(prompt_token_ids, engine.config.block_size, namespace)
 
     async def expect_kv_all(
@@ -108,14 +112,15 @@ class DecodeWorker:
         prompt_token_ids: Sequence[int],
         wait_s: float | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> None:
         """`expect_kv` on every rank (awaited: no part may arrive before its rank expects
         it). Raises TransferError, nothing expected anywhere, when a rank refuses."""
-        self.expect_kv(request_id, prompt_token_ids, wait_s, cache_salt)
+        self.expect_kv(request_id, prompt_token_ids, wait_s, cache_salt, lora)
         if self.ranks is None:
             return
         engine = self.engine.engine
-        chain = self._chain(prompt_token_ids, cache_salt)
+        chain = self._chain(prompt_token_ids, cache_salt, lora)
         try:
             await self.ranks.expect(request_id, self.kv_wait(wait_s), engine.model_id, chain)
         except Exception as exc:

@@ -125,6 +125,20 @@ def _up(args: argparse.Namespace) -> int:
     return code
 
 
+def _lora_flags(given: list[str]) -> dict[str, str]:
+    """`--lora NAME=PATH` flags as `lora_modules` (an absolute folder each: the workers
+    run elsewhere)."""
+    from pdserve.cluster.config import ConfigError
+
+    adapters: dict[str, str] = {}
+    for flag in given:
+        name, sep, path = flag.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError("lora_modules", f"--lora takes NAME=PATH, got {flag!r}")
+        adapters[name] = str(Path(path).expanduser().resolve())
+    return adapters
+
+
 def _up_with(args: argparse.Namespace, signals: StopSignals) -> int:
     from pdserve.cluster.config import APIKeyDefaults, ClusterConfig, ConfigError
     from pdserve.deploy.flags import config_values
@@ -134,6 +148,8 @@ def _up_with(args: argparse.Namespace, signals: StopSignals) -> int:
     # transport Serve chose at that import (gRPC only if the setting is there by then).
     apply_serve_env(os.environ)
     fields = config_values(args, ClusterConfig)
+    if args.lora:
+        fields["lora_modules"] = {**fields.get("lora_modules", {}), **_lora_flags(args.lora)}
     several = len(args.model or []) > 1
     ingress = args.ingress or ("proxy" if args.address is not None or several else "direct")
     if ingress == "direct" and several:
@@ -344,6 +360,14 @@ def build_parser(config_model: type[BaseModel] | None = None) -> argparse.Argume
         "--routes-file",
         default=None,
         help="YAML list of routed model names and their rules (the `routes` field)",
+    )
+    up.add_argument(
+        "--lora",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="a LoRA adapter (a PEFT folder) every worker loads, served as model NAME; "
+        "repeat for several (the `lora_modules` field; docs/lora.md)",
     )
     up.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback)")
     up.add_argument("--port", type=int, default=8000)

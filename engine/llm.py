@@ -60,6 +60,14 @@ class LLM:
                     finals[out.request_id] = out
         return [finals[rid] for rid in request_ids]
 
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Load the PEFT adapter at `path`; requests run with it by naming it in their
+        params (`SamplingParams(lora=name)`). Raises LoRAError for one that does not fit."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
     def close(self) -> None:
         """Stop the engine's tensor-parallel ranks, if any (also done at exit)."""
         self.engine.close()

@@ -23,13 +23,14 @@ from pdserve.common.engine_config import (
     default_num_threads,
 )
 from pdserve.common.errors import InvalidRequestError, PromptTooLongError
-from pdserve.common.hashing import hash_namespace
+from pdserve.common.hashing import BlockHash, hash_namespace, request_namespace
 from pdserve.common.kv_events import KVEvent, KVEventKind
 from pdserve.common.model_config import ModelConfig, load_model_config
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.engine.cpu import kernels as cpu_kernels
 from pdserve.engine.grammar import GrammarCompiler
+from pdserve.engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from pdserve.engine.modeling.attention import (
     AttentionBackend,
     CpuAttentionBackend,
@@ -246,6 +247,8 @@ class LLMEngine:
         self.scheduler = self._make_scheduler()
         self.clock = time.perf_counter  # step wall times (tests inject a fake)
         self.runner = self._make_runner()
+        # LoRA adapters by name (load_lora); the runner reads the same dict each step
+        self.loras: dict[str, LoRAAdapter] = self.runner.loras
         if config.kv_host_gib:
             kv = self.runner.kv_cache
             disk = None
@@ -784,12 +787,14 @@ class LLMEngine:
     ) -> Sequence:
         if request_id in self._seqs or request_id in self._held:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
+        if params.lora is not None and params.lora not in self.loras:
+            raise InvalidRequestError(f"no LoRA adapter {params.lora!r} is loaded")
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=self._prompt_token_ids(prompt),
             params=params,
             eos_token_ids=self.eos_token_ids,
-            hash_namespace=self.namespace_for(params.cache_salt),
+            hash_namespace=self.namespace_for(params.cache_salt, params.lora),
             arrival_s=time.monotonic() if arrival_s is None else arrival_s,
         )
         if params.grammar is not None:  # InvalidRequestError for a grammar it refuses
@@ -836,12 +841,50 @@ class LLMEngine:
         """What this engine's block hashes are salted with (model id, cache salt)."""
         return self._namespace
 
-    def namespace_for(self, cache_salt: str | None) -> bytes:
+    def namespace_for(self, cache_salt: str | None, lora: str | None = None) -> bytes:
         """The namespace a request's block hashes are salted with: its own `cache_salt`
-        when it has one (a tenant's), else the engine's (`hash_namespace`)."""
-        if cache_salt is None:
+        when it has one (a tenant's), else the engine's (`hash_namespace`); a LoRA
+        adapter's requests hash in a namespace of the adapter's (`lora_model_id`)."""
+        if cache_salt is None and lora is None:
             return self._namespace
-        return hash_namespace(self.model_id, cache_salt)
+        return request_namespace(self.model_id, cache_salt, lora)
+
+    # -- LoRA adapters --------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Load the PEFT adapter at `path` under `name` (what requests name in their
+        params' `lora`). Raises LoRAError (nothing kept) for an adapter that does not fit
+        this model, a rank above `max_lora_rank`, a name already loaded or that of the
+        model itself, or tensor parallelism (not yet: the adapters would be sharded as
+        the layers are)."""
+        if name in self.loras or name == self.model_id:
+            what = "an adapter" if name in self.loras else "the base model"
+            raise LoRAError(f"{name!r} already names {what}")
+        if self.config.tensor_parallel_size > 1:
+            raise LoRAError("LoRA adapters are not yet served with tensor parallelism")
+        adapter = load_adapter(
+            name,
+            path,
+            self.model_config,
+            self.config.max_lora_rank,
+            self.model.dtype,
+            self.device,
+        )
+        self.loras[name] = adapter
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`. Raises LoRAError when it is not loaded or a request
+        still runs with it (it may be unloaded once they finish)."""
+        if name not in self.loras:
+            raise LoRAError(f"no LoRA adapter {name!r} is loaded")
+        running = [s.request_id for s in self._seqs.values() if s.params.lora == name]
+        if running:
+            raise LoRAError(
+                f"LoRA adapter {name!r} still serves {len(running)} request(s); unload it "
+                "once they finish"
+            )
+        del self.loras[name]
 
     @property
     def has_unfinished(self) -> bool:

@@ -57,6 +57,7 @@ class PrefillServer(WorkerReplica):
             lease_ms=int(cfg.kv_wait_timeout_s * 1000),
             ranks=ranks,
         )
+        await self.load_lora_modules()
         # Measured before joining: the router never sees this worker without a rate.
         await self.worker.warm_up(min(cfg.max_num_batched_tokens, 512))
         self.tracer = tracing.tracer("prefill")  # None unless OTEL_* variables ask for it

@@ -283,6 +283,12 @@ class Router:
         self.by_model = served_models(
             cfg, prefill, decode, self.redis, self.tracer, self.router_metrics
         )
+        # LoRA adapter name -> the served model it runs on (docs/lora.md)
+        self.adapters = {
+            name: model_id
+            for model_id, served in self.by_model.items()
+            for name in served.config.lora_modules
+        }
         self._api_keys = [key.encode() for key in cfg.api_keys]
         self._key_defaults = {k.encode(): v for k, v in cfg.api_key_defaults.items()}
         self._inflight = 0  # requests admitted and not yet finished, this replica
@@ -368,9 +374,18 @@ class Router:
             served.core.stop(f"{_STOPPING}: the request did not finish within its grace")
 
     def _served(self, model: str) -> ServedModel:
-        """The served model a request names (404 for any other)."""
-        check_model(model, self.by_model)
+        """The served model a request names, directly or by one of its LoRA adapters
+        (404 for any other)."""
+        if model in self.adapters:
+            return self.by_model[self.adapters[model]]
+        check_model(model, [*self.by_model, *self.adapters])
         return self.by_model[model]
+
+    def _with_adapter(self, model: str, params: SamplingParams) -> SamplingParams:
+        """A request naming a LoRA adapter runs its base model with that adapter."""
+        if model not in self.adapters:
+            return params
+        return dataclasses.replace(params, lora=model)
 
     def __del__(self) -> None:
         """Serve stops the replica (no request left): close the decode channels, which
@@ -468,6 +483,9 @@ class Router:
         except ProtocolError as exc:
             return _error(exc)
         cards = [served.card() for served in self.by_model.values()]
+        for name, model_id in self.adapters.items():  # each LoRA adapter, on its base
+            card = {"id": name, "object": "model", "created": 0, "owned_by": "pdserve"}
+            cards.append({**card, "parent": model_id, "root": model_id})
         for route in self.config.routes:  # a routed name is a model id clients may send
             targets = sorted({route.default, *(rule.model for rule in route.rules)})
             card = {"id": route.name, "object": "model", "created": 0, "owned_by": "pdserve"}
@@ -567,6 +585,7 @@ class Router:
 
         served, route, ids = self._pick_model(req, headers, tokenize)
         params = to_sampling_params(req, len(ids), served.max_model_len)
+        params = self._with_adapter(req.model, params)
         r = _Request("completion", req, ids, params, arrival)
         r.served, r.route = served, route
         return r
@@ -584,6 +603,7 @@ class Router:
 
         served, route, ids = self._pick_model(req, headers, tokenize)
         params = to_sampling_params(req, len(ids), served.max_model_len)
+        params = self._with_adapter(req.model, params)
         r = _Request("chat", req, ids, params, arrival)
         r.served, r.route = served, route
         mode = req.tool_mode()
@@ -816,7 +836,7 @@ class Router:
             "id": r.id,
             "object": "text_completion" if r.kind == "completion" else "chat.completion",
             "created": r.created,
-            "model": r.served.model_id,
+            "model": r.params.lora or r.served.model_id,
             "choices": choices,
             "usage": self._usage(r, num_tokens),
         }
@@ -837,7 +857,8 @@ class Router:
     async def _stream(self, r: _Request, items: AsyncIterator[ClientItem]) -> AsyncIterator[str]:
         endpoint = "completions" if r.kind == "completion" else "chat"
         obj = "text_completion" if r.kind == "completion" else "chat.completion.chunk"
-        base = {"id": r.id, "object": obj, "created": r.created, "model": r.served.model_id}
+        model = r.params.lora or r.served.model_id  # the adapter, when the request named one
+        base = {"id": r.id, "object": obj, "created": r.created, "model": model}
         include_usage = bool(r.req.stream_options and r.req.stream_options.include_usage)
         num_tokens = 0
         last_token_s: float | None = None

@@ -285,6 +285,7 @@ class RouterCore:
         prompt_ids: list[int],
         exclude: set[str] | frozenset[str] = frozenset(),
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> Placed:
         """The prefill and decode workers for a prompt (None where there is none).
 
@@ -294,8 +295,8 @@ class RouterCore:
         `cache_salt`: the request's; its prompt's blocks are looked up in that namespace.
         """
         namespace = self.namespace
-        if cache_salt is not None:
-            namespace = hash_namespace(self.config.model_id, cache_salt)
+        if cache_salt is not None or lora is not None:
+            namespace = request_namespace(self.config.model_id, cache_salt, lora)
         hashes = hash_block_chain(prompt_ids, self.config.block_size, namespace)
         try:
             matches = await asyncio.wait_for(self.index.match(hashes), _INDEX_TIMEOUT_S)
@@ -429,6 +430,7 @@ class RouterCore:
         resume: bool,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> Route:
         """Place an attempt, decide where its prompt is prefilled, reserve that queue.
 
@@ -439,10 +441,10 @@ class RouterCore:
         """
         if self.stopping is not None:
             raise ShuttingDown(self.stopping)
-        placed = await self.place(prompt_ids, exclude, cache_salt)
+        placed = await self.place(prompt_ids, exclude, cache_salt, lora)
         bound = prefill_queue_bound_s(self.config, priority)
         if self.prefill is None:  # colocated: D prefills, nothing to decide
-            return self._route_colocated(placed, resume, bound)
+            return self._route_colocated(placed, resume, bound, len(prompt_ids))
         decision = self._decide(placed, resume, bound)
         self.metrics.disagg_decisions.labels(decision.where, decision.reason).inc()
         if decision.where == "shed":
@@ -467,6 +469,7 @@ class RouterCore:
         attempt: int,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> Route:
         """`route`, as a placement span (child of the request's `span`)."""
         assert self.tracer is not None
@@ -474,7 +477,7 @@ class RouterCore:
             self.tracer, "pdserve.placement", span, attributes={"pdserve.attempt": attempt}
         )
         try:
-            route = await self.route(prompt_ids, exclude, attempt > 0, cache_salt, priority)
+            route = await self.route(prompt_ids, exclude, attempt > 0, cache_salt, priority, lora)
         except BaseException as exc:
             tracing.fail(s, exc)
             s.end()
@@ -571,7 +574,7 @@ class RouterCore:
         generated: list[int] = []
         emitted = False  # n > 1: some choice's item went out (then no resume)
         failed: set[str] = set()
-        salt = params.cache_salt
+        salt, lora = params.cache_salt, params.lora
         cached = CachedTokens(len(prompt_ids))  # usage: prompt tokens a prefix cache served
         for attempt in range(self.config.max_resumes + 1):
             if generated:
@@ -584,11 +587,11 @@ class RouterCore:
             attempt_id = request_id if attempt == 0 else f"{request_id}-resume{attempt}"
             if span is None:
                 route = await self.route(
-                    prompt_ids + generated, failed, attempt > 0, salt, params.priority
+                    prompt_ids + generated, failed, attempt > 0, salt, params.priority, lora
                 )
             else:
                 route = await self._traced_route(
-                    span, prompt_ids + generated, failed, attempt, salt, params.priority
+                    span, prompt_ids + generated, failed, attempt, salt, params.priority, lora
                 )
             try:
                 if announce and attempt == 0:

@@ -11,7 +11,8 @@ The key (`ResultCache.plan`) is a SHA-256 over everything that changes the outpu
 - the model's identity (`model_identity`): the served id, a fingerprint of the checkpoint
   folder (`model_fingerprint`) and of a draft model's, and every engine setting that can
   change a token: dtype, device, quantization, kv_cache_dtype, load_format, the engine's
-  seed (dummy weights), speculative, the pools' tensor-parallel sizes and the mode;
+  seed (dummy weights), speculative, the pools' tensor-parallel sizes and the mode, and
+  each LoRA adapter's folder's fingerprint (the request's adapter is one of its params);
 - the prompt's token ids (a chat request's are its template's output);
 - every `SamplingParams` field (max_tokens as resolved, stop strings and ids, logprobs,
   temperature, top_p, top_k, seed, ignore_eos, ...): a field added there later is in the
@@ -209,6 +210,13 @@ def model_identity(config: ClusterConfig) -> str:
         "seed": config.seed,
         "mode": config.mode,
         "tp": [config.prefill_tp, config.decode_tp],
+        # each LoRA adapter by name and its folder's fingerprint: a request names one
+        # (SamplingParams.lora, in the key), and a name reloaded with other weights must
+        # not serve the old ones' results
+        "lora": {
+            name: model_fingerprint(Path(path)) if Path(path).is_dir() else path
+            for name, path in sorted(config.lora_modules.items())
+        },
     }
     return _digest(parts)
 

@@ -117,6 +117,17 @@ class WorkerReplica:
         self._flush_again = False
         self._prefix_sender: KVSender | None = None  # made at this replica's first push
 
+    async def load_lora_modules(self) -> None:
+        """Load every LoRA adapter of the configuration (`lora_modules`) before this
+        replica joins the index: a replica serves each adapter from its first request.
+        An adapter that does not fit the model fails the replica's start, naming it."""
+        for name, path in self.config.lora_modules.items():
+
+            def load(engine: LLMEngine, name: str = name, path: str = path) -> None:
+                engine.load_lora(name, path)
+
+            await self.engine.call(load)
+
     def prefix_sender(self) -> KVSender:
         """The sender of this replica's peer-fetch pushes (the prefill role uses its own)."""
         if self._prefix_sender is None:

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from pdserve.common.engine_config import Quantization
 from pdserve.common.errors import CheckpointError
 from pdserve.common.model_config import ModelConfig
+from pdserve.engine.lora.apply import LoRAStep
 from pdserve.engine.modeling.attention import AttentionBackend, AttentionMetadata, KVCache
 from pdserve.engine.modeling.linear import Int8Linear, Linear, LinearLayer
 from pdserve.engine.modeling.rotary import apply_rotary, cos_sin_cache
@@ -89,6 +90,9 @@ class LlamaModel:
         # Norm and rotary ops; the runner binds them to its attention backend
         # (`engine/modeling/ops.py`). None, or unfused ops: the plain torch forward below.
         self.ops: ModelOps | None = None
+        # The LoRA adapters of the step being run and their rows (engine/lora/apply.py),
+        # set by the runner around a forward; None: no row has an adapter.
+        self.lora: LoRAStep | None = None
 
     def forward(
         self,
@@ -106,26 +110,55 @@ class LlamaModel:
         tp = self.tp
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
         hidden = self._embed(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        lora = self.lora
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = layer.qkv(x).split(self._qkv_split, dim=-1)
+            q, k, v = self._qkv(i, layer, x, lora)
             q = apply_rotary(q.view(num_tokens, self.num_heads, cfg.head_dim), cos, sin)
             k = apply_rotary(k.view(num_tokens, self.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(num_tokens, self.num_kv_heads, cfg.head_dim)
             out = attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-            attn_out = layer.o(out.reshape(num_tokens, -1))
+            attn_out = self._proj(i, "o", layer.o, out.reshape(num_tokens, -1), lora)
             if tp is not None:  # row-parallel: each rank's heads' share of the sum
                 tp.all_reduce(attn_out)
             hidden = residual + attn_out
             residual = hidden
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            mlp_out = layer.down(F.silu(gate) * up)
+            mlp_out = self._mlp(i, layer, x, lora)
             if tp is not None:
                 tp.all_reduce(mlp_out)
             hidden = residual + mlp_out
         return hidden
+
+    def _qkv(
+        self, i: int, layer: LayerWeights, x: torch.Tensor, lora: LoRAStep | None
+    ) -> tuple[torch.Tensor, ...]:
+        """q, k, v of layer `i` (with the step's LoRA deltas, if any)."""
+        qkv = layer.qkv(x)
+        if lora is not None:
+            lora.add(i, "qkv", x, qkv, self._qkv_split)
+        return qkv.split(self._qkv_split, dim=-1)
+
+    @staticmethod
+    def _proj(
+        i: int, fused: str, linear: LinearLayer, x: torch.Tensor, lora: LoRAStep | None
+    ) -> torch.Tensor:
+        out = linear(x)
+        if lora is not None:
+            lora.add(i, fused, x, out)
+        return out
+
+    def _mlp(
+        self, i: int, layer: LayerWeights, x: torch.Tensor, lora: LoRAStep | None
+    ) -> torch.Tensor:
+        """Layer `i`'s MLP output (before its all-reduce under tensor parallelism)."""
+        gate_up = layer.gate_up(x)
+        if lora is not None:
+            half = gate_up.shape[1] // 2
+            lora.add(i, "gate_up", x, gate_up, (half, half))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._proj(i, "down", layer.down, F.silu(gate) * up, lora)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings [T, hidden]; vocab-parallel: rows outside this rank's shard are
@@ -156,9 +189,10 @@ class LlamaModel:
         tp = self.tp
         hidden = self._embed(input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None  # the first norm takes hidden as the residual
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        lora = self.lora
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = ops.norm(hidden, layer.input_norm, eps, residual)
-            q, k, v = layer.qkv(x).split(self._qkv_split, dim=-1)
+            q, k, v = self._qkv(i, layer, x, lora)
             q, k = ops.rotate(
                 positions,
                 q.view(num_tokens, self.num_heads, cfg.head_dim),
@@ -168,12 +202,11 @@ class LlamaModel:
             )
             v = v.view(num_tokens, self.num_kv_heads, cfg.head_dim)
             out = attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-            attn_out = layer.o(out.reshape(num_tokens, -1))
+            attn_out = self._proj(i, "o", layer.o, out.reshape(num_tokens, -1), lora)
             if tp is not None:
                 tp.all_reduce(attn_out)
             x, residual = ops.norm(attn_out, layer.post_norm, eps, residual)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = layer.down(F.silu(gate) * up)
+            hidden = self._mlp(i, layer, x, lora)
             if tp is not None:
                 tp.all_reduce(hidden)
         # The last MLP output joins the residual stream here, so that callers get the whole

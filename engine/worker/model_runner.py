@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.grammar import fill_bitmask
+from pdserve.engine.lora.adapter import LoRAAdapter
+from pdserve.engine.lora.apply import LoRAStep
 from pdserve.engine.modeling import kv_quant
 from pdserve.engine.modeling.attention import (
     AttentionBackend,
@@ -96,6 +98,8 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         # Tensor parallel (driver): the other ranks, sent each step's inputs.
         self.tp_workers = tp_workers
+        # LoRA adapters by name (the engine's registry: LLMEngine.load_lora)
+        self.loras: dict[str, LoRAAdapter] = {}
 
     def capture_cuda_graphs(
         self, max_batch_size: int, max_model_len: int, use_cuda_graph: bool = True
@@ -212,6 +216,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if self.loras and _uses_lora(out):
+            return self._execute_lora(out)
         graphs = self.graphs
         if graphs is not None and not out.prefills and (out.decodes or out.verifies):
             layout = _decode_layout(out)
@@ -226,6 +232,37 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))  # [N, vocab] float32
         return self._sample(logits, sample_items)
+
+    def _execute_lora(self, out: SchedulerOutput) -> StepResult:
+        """A step with rows of LoRA adapters: eager (no graph holds the deltas), the
+        model told each adapter's rows for this forward."""
+        input_ids, positions, meta, sample_rows, sample_items = self._prepare(out)
+        self.model.lora = LoRAStep.of(self._lora_rows(out), self.device)
+        try:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, self.backend, meta)
+        finally:
+            self.model.lora = None
+        if not sample_items:
+            return StepResult({}, {})
+        rows = torch.tensor(sample_rows, device=self.device)
+        logits = self.model.logits(hidden.index_select(0, rows))
+        return self._sample(logits, sample_items)
+
+    def _lora_rows(self, out: SchedulerOutput) -> list[tuple[LoRAAdapter, list[int]]]:
+        """Each adapter's rows of the step, in `_prepare`'s order: the prefill chunks'
+        tokens, then one row per decode (or verify) token."""
+        rows: dict[str, list[int]] = {}
+        at = 0
+        for item in out.prefills:
+            name = item.seq.params.lora
+            if name is not None:
+                rows.setdefault(name, []).extend(range(at, at + item.num_new_tokens))
+            at += item.num_new_tokens
+        for row, (_, _, item, _) in enumerate(_decode_layout(out).rows):
+            name = item.seq.params.lora
+            if name is not None:
+                rows.setdefault(name, []).append(at + row)
+        return [(self.loras[name], r) for name, r in rows.items()]
 
     @torch.inference_mode()
     def execute_shard(
@@ -355,6 +392,11 @@ class _DecodeLayout:
     rows: list[tuple[int, int, ScheduledSeq, int]]
     sample_rows: list[int]  # indices into `rows`
     sample_items: list[ScheduledSeq]
+
+
+def _uses_lora(out: SchedulerOutput) -> bool:
+    items = (*out.prefills, *out.decodes, *out.verifies)
+    return any(item.seq.params.lora is not None for item in items)
 
 
 def _decode_layout(out: SchedulerOutput) -> _DecodeLayout:

@@ -144,6 +144,7 @@ def test_a_repeat_is_answered_from_the_cache_and_anything_changed_misses(
             "skip_special_tokens": dataclasses.replace(GREEDY, skip_special_tokens=False),
             "greedy seed": dataclasses.replace(GREEDY, seed=1),
             "cache_salt": dataclasses.replace(GREEDY, cache_salt="tenant-b"),
+            "lora": dataclasses.replace(GREEDY, lora="adapter-a"),
             "n": dataclasses.replace(GREEDY, n=2),
             "grammar": dataclasses.replace(GREEDY, grammar=GrammarSpec("regex", "[a-z]+")),
         }
