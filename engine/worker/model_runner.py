@@ -21,7 +21,7 @@ import torch
 
 from pdserve.engine.grammar import fill_bitmask
 from pdserve.engine.lora.adapter import LoRAAdapter
-from pdserve.engine.lora.apply import LoRAStep
+from pdserve.engine.lora.apply import LoRAStack, LoRAStep
 from pdserve.engine.modeling import kv_quant
 from pdserve.engine.modeling.attention import (
     AttentionBackend,
@@ -100,6 +100,8 @@ class ModelRunner:
         self.tp_workers = tp_workers
         # LoRA adapters by name (the engine's registry: LLMEngine.load_lora)
         self.loras: dict[str, LoRAAdapter] = {}
+        # stacks of the adapters of recent steps (the stacked form: engine/lora/apply.py)
+        self._lora_stacks: dict[tuple[str, ...], LoRAStack] = {}
 
     def capture_cuda_graphs(
         self, max_batch_size: int, max_model_len: int, use_cuda_graph: bool = True
@@ -237,7 +239,8 @@ class ModelRunner:
         """A step with rows of LoRA adapters: eager (no graph holds the deltas), the
         model told each adapter's rows for this forward."""
         input_ids, positions, meta, sample_rows, sample_items = self._prepare(out)
-        self.model.lora = LoRAStep.of(self._lora_rows(out), self.device)
+        groups = self._lora_rows(out)
+        self.model.lora = LoRAStep.of(groups, self.device, len(input_ids), self._lora_stack)
         try:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, self.backend, meta)
         finally:
@@ -247,6 +250,20 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
         return self._sample(logits, sample_items)
+
+    def _lora_stack(self, adapters: list[LoRAAdapter]) -> LoRAStack:
+        """The stack of these adapters (engine/lora/apply.py): the last few are kept, as
+        long as each of their adapters is still the one loaded under its name."""
+        key = tuple(sorted(a.name for a in adapters))
+        stack = self._lora_stacks.pop(key, None)
+        if stack is None or not stack.holds(self.loras):
+            stack = LoRAStack(sorted(adapters, key=lambda a: a.name))
+        self._lora_stacks[key] = stack  # the most recent last
+        for old in [k for k, s in self._lora_stacks.items() if not s.holds(self.loras)]:
+            del self._lora_stacks[old]
+        while len(self._lora_stacks) > _LORA_STACKS_KEPT:
+            del self._lora_stacks[next(iter(self._lora_stacks))]
+        return stack
 
     def _lora_rows(self, out: SchedulerOutput) -> list[tuple[LoRAAdapter, list[int]]]:
         """Each adapter's rows of the step, in `_prepare`'s order: the prefill chunks'
@@ -382,6 +399,9 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             context_lens_list=context_lens,
         )
+
+
+_LORA_STACKS_KEPT = 4  # sets of adapters whose stacks a runner keeps
 
 
 @dataclass
