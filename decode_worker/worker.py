@@ -90,12 +90,16 @@ class DecodeWorker:
         block hashes must match this engine's model id and the prompt's hash chain
         (else KVMismatchError, and the request is prefilled here). `cache_salt`: the
         request's (its params'): the chain is salted with it, as the prefill worker's is;
-        `lora`: its LoRA adapter, whose blocks hash in a namespace of their own.
+        `lora`: its LoRA adapter, whose blocks hash in a namespace of their own and
+        whose KV crosses under the adapter's model id (`LLMEngine.kv_model_id`).
         """
         chain = self._chain(prompt_token_ids, cache_salt, lora)
         engine = self.engine.engine
         self.receiver.expect(
-            request_id, self.kv_wait(wait_s), model_id=engine.model_id, block_hashes=chain
+            request_id,
+            self.kv_wait(wait_s),
+            model_id=engine.kv_model_id(lora),
+            block_hashes=chain,
         )
 
     def _chain(
@@ -122,7 +126,8 @@ class DecodeWorker:
         engine = self.engine.engine
         chain = self._chain(prompt_token_ids, cache_salt, lora)
         try:
-            await self.ranks.expect(request_id, self.kv_wait(wait_s), engine.model_id, chain)
+            model_id = engine.kv_model_id(lora)
+            await self.ranks.expect(request_id, self.kv_wait(wait_s), model_id, chain)
         except Exception as exc:
             self.cancel_kv(request_id)
             if isinstance(getattr(exc, "cause", None), TransferError):
@@ -161,7 +166,7 @@ class DecodeWorker:
         self.receiver.expect(
             fetch_id(request_id),
             self.kv_wait(wait_s),
-            model_id=engine.model_id,
+            model_id=engine.kv_model_id(lora),
             block_hashes=chain,
             leading=True,  # a holder that lost its last blocks sends the rest
         )

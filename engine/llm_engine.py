@@ -23,7 +23,7 @@ from pdserve.common.engine_config import (
     default_num_threads,
 )
 from pdserve.common.errors import InvalidRequestError, PromptTooLongError
-from pdserve.common.hashing import BlockHash, hash_namespace, request_namespace
+from pdserve.common.hashing import BlockHash, hash_namespace, lora_model_id, request_namespace
 from pdserve.common.kv_events import KVEvent, KVEventKind
 from pdserve.common.model_config import ModelConfig, load_model_config
 from pdserve.common.sampling_params import SamplingParams
@@ -848,6 +848,12 @@ class LLMEngine:
         if cache_salt is None and lora is None:
             return self._namespace
         return request_namespace(self.model_id, cache_salt, lora)
+
+    def kv_model_id(self, lora: str | None = None) -> str:
+        """The model id a KV transfer's header carries for a request: the model's, or
+        its LoRA adapter's on it (`lora_model_id`), which the receiver checks like a
+        model id: KV of one adapter is never taken for another's request."""
+        return self.model_id if lora is None else lora_model_id(self.model_id, lora)
 
     # -- LoRA adapters --------------------------------------------------------------
 

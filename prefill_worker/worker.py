@@ -146,7 +146,7 @@ class PrefillWorker:
             # worker reports them, so a response has one for every token
             first_lp = export.first_logprobs
             header = {
-                "model_id": self.engine.engine.model_id,
+                "model_id": self.engine.engine.kv_model_id(params.lora),
                 "token": self.cluster_token,
                 "total_kv_heads": self.total_kv_heads,
                 "block_hashes": export.block_hashes,

@@ -49,7 +49,7 @@ async def push_prefix(
         payload = payload_bytes(await asyncio.to_thread(exported.wait))
         header = make_header(
             fetch,
-            engine.engine.model_id,
+            engine.engine.kv_model_id(lora),
             layout,
             payload,
             cluster_token,

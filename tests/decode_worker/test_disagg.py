@@ -296,3 +296,46 @@ def test_salted_kv_crosses_only_to_a_request_of_the_same_salt(model_dir: Path) -
 
     (want,) = [o.token_ids for o in colocated_outputs(model_dir, lambda i: GREEDY)][2:3]
     asyncio.run(asyncio.wait_for(run(), 120))
+
+
+def test_an_adapters_kv_crosses_under_its_own_model_id(model_dir: Path, tmp_path: Path) -> None:
+    """A LoRA request's KV crosses under its adapter's model id (`kv_model_id`), which
+    the receiver checks before the hashes: a push of the base model's KV of the same
+    prompt is refused as another model's, the adapter's own push is taken."""
+    from tests.engine.test_lora import _make_adapter
+
+    adapter = _make_adapter(model_dir, tmp_path / "qv", 4, 8, ["q_proj", "v_proj"], False, 1)
+    prompt = prompts()[2]
+    lora = dataclasses.replace(GREEDY, lora="qv")
+
+    async def run() -> None:
+        hub = LoopbackHub()
+        p_async, d_async = AsyncEngine(new_engine(model_dir)), AsyncEngine(new_engine(model_dir))
+        for e in (p_async.engine, d_async.engine):
+            e.load_lora("qv", adapter)
+        layout = layout_of(d_async.engine.runner.kv_cache)
+        receiver = LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout))
+        decode = DecodeWorker(d_async, receiver, kv_wait_timeout_s=5.0)
+        prefill = PrefillWorker(p_async, LoopbackSender(hub), TOKEN)
+        address = await decode.start()
+        try:
+            decode.expect_kv("r0", prompt, lora="qv")
+            with pytest.raises(KVMismatchError, match="KV of model 'ckpt"):
+                await prefill.prefill("r0", prompt, GREEDY, address)  # the base's KV
+            out = await collect(decode.generate("r0", prompt, lora, kv_expected=True))
+            assert decode.num_local_fallbacks == 1
+
+            decode.expect_kv("r1", prompt, lora="qv")
+            stream = collect(decode.generate("r1", prompt, lora, kv_expected=True))
+            pushed = prefill.prefill("r1", prompt, lora, address)
+            again, _ = await asyncio.gather(stream, pushed)
+            assert decode.num_local_fallbacks == 1  # the adapter's own KV: taken
+            assert again.token_ids == out.token_ids
+            for e in (p_async.engine, d_async.engine):
+                e.block_pool.check_no_leaks()
+        finally:
+            await decode.close()
+            await p_async.close()
+            await d_async.close()
+
+    asyncio.run(asyncio.wait_for(run(), 120))
