@@ -259,10 +259,17 @@ class DecodeWorker:
 
         def start_choices(engine: LLMEngine) -> RequestOutput | None:
             """Choice 0 is the request itself (its KV imported, or prefilled here); the
-            others fork over its prompt blocks once they are computed."""
+            others fork over its prompt blocks once they are computed. A choice 0 whose
+            imported first token ended it (max_tokens 1, a stop) left nothing to fork
+            from: the others are then requests of the same prompt, whose blocks it just
+            cached, each computing what a fork would (LLMEngine.fork_request)."""
             first = start(engine)
             for i in range(1, n):
-                engine.fork_request(request_id, choice_ids[i - 1], choices_params[i], True)
+                child, child_params = choice_ids[i - 1], choices_params[i]
+                if first is not None and first.finished:
+                    engine.add_request(child, prompt_token_ids, child_params, stream=True)
+                else:
+                    engine.fork_request(request_id, child, child_params, True)
             return first
 
         # the import is done with the received buffer once `start` has run (a pinned copy

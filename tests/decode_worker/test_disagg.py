@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from pdserve.common.hashing import hash_block_chain
-from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.decode_worker.worker import DecodeWorker, choice_id
 from pdserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.kv_transfer.base import ReceiverConfig
@@ -339,3 +339,54 @@ def test_an_adapters_kv_crosses_under_its_own_model_id(model_dir: Path, tmp_path
             await d_async.close()
 
     asyncio.run(asyncio.wait_for(run(), 120))
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_choices_of_a_request_whose_first_choice_ends_at_its_first_token(
+    model_dir: Path, max_tokens: int
+) -> None:
+    """n > 1 with the prompt's KV pushed: choice 0 arrives with its first token, and with
+    max_tokens 1 that token ends it at once, leaving nothing to fork the other choices
+    from. They are then requests of the same prompt (its blocks cached), each exactly a
+    separate request of its own seed, as a fork is; never an error (which the router
+    took for a broken decode worker and resumed: CI's fuzz test saw it)."""
+    prompt = prompts()[2]
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=7, ignore_eos=True, n=3)
+
+    async def run() -> tuple[dict[str, list[int]], int]:
+        hub = LoopbackHub()
+        p_async, d_async = AsyncEngine(new_engine(model_dir)), AsyncEngine(new_engine(model_dir))
+        layout = layout_of(d_async.engine.runner.kv_cache)
+        decode = DecodeWorker(
+            d_async, LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout)), kv_wait_timeout_s=60
+        )
+        prefill = PrefillWorker(p_async, LoopbackSender(hub), TOKEN)
+        address = await decode.start()
+        done: dict[str, list[int]] = {}
+
+        async def consume() -> None:
+            async for out in decode.generate("r", prompt, params, kv_expected=True):
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+
+        try:
+            decode.expect_kv("r", prompt)
+            await asyncio.gather(consume(), prefill.prefill("r", prompt, params, address))
+            for e in (p_async.engine, d_async.engine):
+                e.block_pool.check_no_leaks()
+            return done, decode.num_local_fallbacks
+        finally:
+            await decode.close()
+            await p_async.close()
+            await d_async.close()
+
+    done, fallbacks = asyncio.run(asyncio.wait_for(run(), 120))
+    assert fallbacks == 0  # choice 0 used the pushed KV
+    want = {}
+    for i in range(3):
+        eng = new_engine(model_dir)
+        eng.add_request("s", prompt, params.choice_params(i))
+        while eng.has_unfinished:
+            for out in eng.step():
+                want[choice_id("r", i)] = out.token_ids
+    assert done == want
