@@ -435,6 +435,14 @@ class ClusterConfig(BaseModel):
         " JSON; `pdserve up --lora NAME=PATH`, repeated); a request names one in `model`,"
         " /v1/models lists each with its base as `parent`",
     )
+    # Off by default: a load names a folder every worker then reads, which an operator
+    # must choose to let API clients do (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    allow_runtime_lora: bool = Field(
+        default=False,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's"
+        " API; behind the API key when keys are set): API clients load and unload LoRA"
+        " adapters from folders every worker can read",
+    )
     max_lora_rank: int = engine_field("max_lora_rank")
     # a GPU step stays far below it, so it binds only where a prompt really would stall
     # the streams (CPU)

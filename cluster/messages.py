@@ -117,10 +117,23 @@ class FetchReport(TypedDict):
 
 
 class ErrorItem(TypedDict):
-    """Serving the request failed on the decode replica (the router may resume it)."""
+    """Serving the request failed on the decode replica (the router may resume it, unless
+    `invalid`: the engine refused the request itself, e.g. it names a LoRA adapter
+    unloaded meanwhile; another attempt would be refused alike, so the client gets a 400)."""
 
     type: Literal["error"]
     message: str
+    invalid: NotRequired[bool]
+
+
+class LoRAReply(TypedDict):
+    """A worker replica's answer to `load_lora` / `unload_lora` (docs/lora.md): `error`
+    says why not (None: done); `in_use`: an unload refused while requests run with it."""
+
+    worker_id: str
+    error: str | None
+    in_use: NotRequired[bool]
+    unreachable: NotRequired[bool]  # the call itself failed (router side)
 
 
 StreamItem = OutputItem | ErrorItem
@@ -211,6 +224,10 @@ class DecodeHandle(Protocol):
     @property
     def push_prefix(self) -> RemoteMethod: ...
     @property
+    def load_lora(self) -> RemoteMethod: ...
+    @property
+    def unload_lora(self) -> RemoteMethod: ...
+    @property
     def load(self) -> RemoteMethod: ...
 
     def options(self, *, stream: bool = ...) -> DecodeHandle: ...
@@ -223,5 +240,9 @@ class PrefillHandle(Protocol):
     def prefill(self) -> RemoteMethod: ...
     @property
     def push_prefix(self) -> RemoteMethod: ...
+    @property
+    def load_lora(self) -> RemoteMethod: ...
+    @property
+    def unload_lora(self) -> RemoteMethod: ...
     @property
     def load(self) -> RemoteMethod: ...

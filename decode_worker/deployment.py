@@ -53,6 +53,7 @@ from pdserve.cluster.messages import (
     SubmitReply,
     fetch_id,
 )
+from pdserve.common.errors import InvalidRequestError
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.decode_worker.channels import Batch, Channel, Channels
 from pdserve.decode_worker.worker import DecodeWorker, choice_index
@@ -201,9 +202,15 @@ class DecodeServer(WorkerReplica):
                 channel.put(request_id, item)
         except asyncio.CancelledError:
             pass  # aborted (by the router, or its channel closed): the engine stream ended
-        except Exception as exc:  # reaches the router, which resumes it elsewhere
-            logger.exception("%s: serving the request failed", request_id)
+        except Exception as exc:  # reaches the router, which resumes it elsewhere...
             error: ErrorItem = {"type": "error", "message": f"{type(exc).__name__}: {exc}"}
+            if isinstance(exc, InvalidRequestError) and not isinstance(exc, KVImportError):
+                # ...unless the engine refused the request itself (say, its LoRA adapter
+                # was unloaded meanwhile): every attempt would be refused alike
+                logger.warning("%s: refused by the engine: %s", request_id, exc)
+                error = {"type": "error", "message": str(exc), "invalid": True}
+            else:
+                logger.exception("%s: serving the request failed", request_id)
             channel.put(request_id, error)
         finally:
             self._release(request_id, kv_expected, fetch_blocks > 0)

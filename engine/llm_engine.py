@@ -30,7 +30,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
 from pdserve.engine.cpu import kernels as cpu_kernels
 from pdserve.engine.grammar import GrammarCompiler
-from pdserve.engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+from pdserve.engine.lora.adapter import LoRAAdapter, LoRAError, LoRAInUseError, load_adapter
 from pdserve.engine.modeling.attention import (
     AttentionBackend,
     CpuAttentionBackend,
@@ -880,13 +880,13 @@ class LLMEngine:
         return adapter
 
     def unload_lora(self, name: str) -> None:
-        """Forget adapter `name`. Raises LoRAError when it is not loaded or a request
-        still runs with it (it may be unloaded once they finish)."""
+        """Forget adapter `name`. Raises LoRAError when it is not loaded, LoRAInUseError
+        when a request still runs with it (it may be unloaded once they finish)."""
         if name not in self.loras:
             raise LoRAError(f"no LoRA adapter {name!r} is loaded")
         running = [s.request_id for s in self._seqs.values() if s.params.lora == name]
         if running:
-            raise LoRAError(
+            raise LoRAInUseError(
                 f"LoRA adapter {name!r} still serves {len(running)} request(s); unload it "
                 "once they finish"
             )
@@ -933,6 +933,7 @@ class LLMEngine:
             # KV handoff blocks the Triton kernels moved: which path the handoffs took
             "kv_kernel_blocks_packed": self.kv_staging.kernel_blocks_packed,
             "kv_kernel_blocks_unpacked": self.kv_staging.kernel_blocks_unpacked,
+            "lora_adapters": len(self.loras),
             **self._host_tier_gauges(),
             **self._parallel_gauges(),
             **(sched.spec_stats.gauges() if sched.proposer is not None else {}),

@@ -28,7 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from pydantic import BaseModel
 from ray import serve
@@ -41,6 +41,7 @@ from pdserve.cluster.prefix_index import WorkerInfo
 from pdserve.cluster.scheduling import SchedulingWatch, cluster_asks, read_cluster
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.router.adapters import Adapters
 from pdserve.router.core import Overloaded, RouterCore, ShuttingDown, UpstreamError
 from pdserve.router.draining import Drain, serve_app_status
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -51,7 +52,9 @@ from pdserve.router.priority import inflight_limit
 from pdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoRAAdapterRequest,
     ProtocolError,
+    UnloadLoRAAdapterRequest,
     check_model,
     parse_request,
     requested_max_tokens,
@@ -79,6 +82,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
 
 
@@ -118,10 +123,11 @@ def _error(exc: ProtocolError, retry_after_s: int = 1) -> JSONResponse:
 
 
 def _upstream_error_body(exc: Exception) -> dict[str, Any]:
+    refused = getattr(exc, "status_code", 503) == 400  # core.Refused
     return {
         "error": {
             "message": str(exc),
-            "type": "service_unavailable",
+            "type": "invalid_request_error" if refused else "service_unavailable",
             "param": None,
             "code": getattr(exc, "code", "upstream_unavailable"),
         }
@@ -284,11 +290,8 @@ class Router:
             cfg, prefill, decode, self.redis, self.tracer, self.router_metrics
         )
         # LoRA adapter name -> the served model it runs on (docs/lora.md)
-        self.adapters = {
-            name: model_id
-            for model_id, served in self.by_model.items()
-            for name in served.config.lora_modules
-        }
+        routed = [route.name for route in cfg.routes]
+        self.adapters = Adapters(self.by_model, self.redis, [*self.by_model, *routed])
         self._api_keys = [key.encode() for key in cfg.api_keys]
         self._key_defaults = {k.encode(): v for k, v in cfg.api_key_defaults.items()}
         self._inflight = 0  # requests admitted and not yet finished, this replica
@@ -376,9 +379,10 @@ class Router:
     def _served(self, model: str) -> ServedModel:
         """The served model a request names, directly or by one of its LoRA adapters
         (404 for any other)."""
-        if model in self.adapters:
-            return self.by_model[self.adapters[model]]
-        check_model(model, [*self.by_model, *self.adapters])
+        base = self.adapters.get(model)
+        if base is not None:
+            return self.by_model[base]
+        check_model(model, [*self.by_model, *(name for name, _ in self.adapters.items())])
         return self.by_model[model]
 
     def _with_adapter(self, model: str, params: SamplingParams) -> SamplingParams:
@@ -482,6 +486,8 @@ class Router:
             self._authorize(request)  # every /v1 route needs the key when keys are set
         except ProtocolError as exc:
             return _error(exc)
+        with contextlib.suppress(RedisError, OSError, TimeoutError):  # else: those known
+            await self.adapters.refresh()  # adapters loaded through other router replicas
         cards = [served.card() for served in self.by_model.values()]
         for name, model_id in self.adapters.items():  # each LoRA adapter, on its base
             card = {"id": name, "object": "model", "created": 0, "owned_by": "pdserve"}
@@ -491,6 +497,26 @@ class Router:
             card = {"id": route.name, "object": "model", "created": 0, "owned_by": "pdserve"}
             cards.append({**card, "routes_to": targets})
         return JSONResponse({"object": "list", "data": cards})
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Load a LoRA adapter into every worker (vLLM's API; router/adapters.py)."""
+        try:
+            body, _ = await self._admit(request)
+            text = await self.adapters.load(parse_request(LoadLoRAAdapterRequest, body))
+        except ProtocolError as exc:
+            return _error(exc)
+        return PlainTextResponse(text)
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Unload a LoRA adapter loaded at runtime from every worker (vLLM's API)."""
+        try:
+            body, _ = await self._admit(request)
+            text = await self.adapters.unload(parse_request(UnloadLoRAAdapterRequest, body))
+        except ProtocolError as exc:
+            return _error(exc)
+        return PlainTextResponse(text)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -544,10 +570,12 @@ class Router:
             return _error(exc)
         parsed: _Request | None = None
         try:
-            if kind == "completion":
-                r = parsed = self._parse_completion(body, arrival, request.headers)
-            else:
-                r = parsed = self._parse_chat(body, arrival, request.headers)
+            try:
+                r = parsed = self._parse(kind, body, arrival, request.headers)
+            except ProtocolError as exc:
+                if exc.code != "model_not_found" or not await self._new_adapters():
+                    raise
+                r = parsed = self._parse(kind, body, arrival, request.headers)
             r.key_defaults = key_defaults
             self._take_slot(r)  # from here on, this request holds a slot
         except ProtocolError as exc:
@@ -556,7 +584,10 @@ class Router:
             return _error(exc)
         r.params = with_default_salt(r.params, key_defaults.cache_salt)
         result_cache = self.result_caches[r.served.model_id]
-        if result_cache is not None:  # the salt is in the params, hence in the key
+        # an adapter loaded at runtime is not in the cache's model identity (its folder
+        # may hold other weights under the same name after an unload): never cached
+        runtime_lora = r.params.lora is not None and r.params.lora not in self.adapters.static
+        if result_cache is not None and not runtime_lora:  # the salt is in the key
             r.cache = result_cache.plan(
                 r.prompt_ids, r.params, r.params.cache_salt, request.headers, r.req.result_cache
             )
@@ -571,6 +602,21 @@ class Router:
                 }
             )
         return await self._serve(r)
+
+    def _parse(
+        self, kind: str, body: bytes, arrival: float, headers: Mapping[str, str]
+    ) -> _Request:
+        if kind == "completion":
+            return self._parse_completion(body, arrival, headers)
+        return self._parse_chat(body, arrival, headers)
+
+    async def _new_adapters(self) -> bool:
+        """A request named a model this replica does not know: perhaps a LoRA adapter
+        loaded through another router replica since. True when the registry changed."""
+        try:
+            return await self.adapters.refresh()
+        except (RedisError, OSError, TimeoutError):  # the 404 stands
+            return False
 
     def _parse_completion(
         self, body: bytes, arrival: float, headers: Mapping[str, str]
@@ -741,6 +787,8 @@ class Router:
 
     async def _serve(self, r: _Request) -> Response:
         """Serve an admitted request; its in-flight slot is released when it ends."""
+        if r.params.lora is not None:
+            r.served.core.metrics.lora_requests.labels(r.params.lora).inc()
         try:  # placed before the response begins: past capacity, a 429 and nothing sent
             items = await self._cached(r)
             if items is None:
@@ -810,10 +858,11 @@ class Router:
                 finish_reasons[i] = item["finish_reason"] or finish_reasons[i]
                 r.cached_tokens = item.get("cached_tokens", r.cached_tokens)
         except UpstreamError as exc:
-            r.served.core.metrics.requests.labels(endpoint, "503").inc()
+            status = getattr(exc, "status_code", 503)  # 400: the engine refused it
+            r.served.core.metrics.requests.labels(endpoint, str(status)).inc()
             if r.span is not None:
                 tracing.fail(r.span, exc)
-            return JSONResponse(_upstream_error_body(exc), status_code=503)
+            return JSONResponse(_upstream_error_body(exc), status_code=status)
         num_tokens = sum(len(t) for t in token_ids)
         self._observe_done(r, num_tokens, finish_reasons[0])
         r.served.core.metrics.requests.labels(endpoint, "200").inc()
@@ -916,7 +965,8 @@ class Router:
                 yield _sse({**base, "choices": [], "usage": self._usage(r, num_tokens)})
             r.served.core.metrics.requests.labels(endpoint, "200").inc()
         except UpstreamError as exc:
-            r.served.core.metrics.requests.labels(endpoint, "503").inc()
+            status = getattr(exc, "status_code", 503)  # 400: the engine refused it
+            r.served.core.metrics.requests.labels(endpoint, str(status)).inc()
             if r.span is not None:
                 tracing.fail(r.span, exc)
             yield _sse(_upstream_error_body(exc))
@@ -928,6 +978,8 @@ class Router:
         r.served.core.metrics.e2e.observe(time.monotonic() - r.arrival_s)
         if not _hit(r):  # a result cache hit generated nothing
             r.served.core.metrics.generation_tokens.inc(num_tokens)
+            if r.params.lora is not None:
+                r.served.core.metrics.lora_tokens.labels(r.params.lora).inc(num_tokens)
         if r.span is not None:
             attrs: dict[str, Any] = {"gen_ai.usage.output_tokens": num_tokens}
             if finish_reason is not None:

@@ -45,6 +45,10 @@ class ChannelError(RuntimeError):
     """The channel broke, or the decode replica failed the request on it."""
 
 
+class RequestRefused(ChannelError):
+    """The decode replica's engine refused the request itself (an `invalid` error item)."""
+
+
 class Connection:
     """One open channel: to decode replica `worker_id`, with a queue per request."""
 
@@ -314,6 +318,8 @@ class ChannelStream:
         if isinstance(item, BaseException):
             raise item
         if item.get("type") == "error":
+            if item.get("invalid"):
+                raise RequestRefused(str(item.get("message")))
             raise ChannelError(f"the decode worker failed the request: {item.get('message')}")
         if item.get("finished"):
             self._finished = True

@@ -51,6 +51,7 @@ from pdserve.cluster.messages import (
     DecodeHandle,
     FetchReport,
     LoadReport,
+    LoRAReply,
     OutputItem,
     PrefillHandle,
     PrefillReport,
@@ -66,7 +67,7 @@ from pdserve.common.hashing import (
 )
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import TransferError
-from pdserve.router.channels import ChannelStream, DecodeChannels
+from pdserve.router.channels import ChannelStream, DecodeChannels, RequestRefused
 from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s, past_bound
 from pdserve.router.fetch import Fetch, choose_fetch
 from pdserve.router.load import Hold, LoadBook
@@ -80,6 +81,8 @@ logger = logging.getLogger(__name__)
 
 _INDEX_TIMEOUT_S = 0.5  # placement never waits longer than this for Redis
 _STATE_TIMEOUT_S = 5.0
+# An adapter's load reads its folder and copies its weights: seconds for large ones.
+LORA_CALL_TIMEOUT_S = 120.0
 
 
 class UpstreamError(RuntimeError):
@@ -98,6 +101,14 @@ class ShuttingDown(UpstreamError):
     """The cluster is stopping: the request is refused, or its grace ran out (draining.py)."""
 
     code = "shutting_down"
+
+
+class Refused(UpstreamError):
+    """The engine refused the request itself (say, its LoRA adapter was unloaded since
+    the router looked): no resume would serve it, the client gets a 400."""
+
+    code = "invalid_request"
+    status_code = 400
 
 
 class _DecodeFailed(UpstreamError):
@@ -247,6 +258,32 @@ class RouterCore:
 
     async def live_workers(self) -> list[WorkerInfo]:
         return await asyncio.wait_for(self.index.live_workers(), _INDEX_TIMEOUT_S)
+
+    async def broadcast_lora(
+        self, load: bool, name: str, path: str | None = None
+    ) -> tuple[list[WorkerInfo], list[LoRAReply]]:
+        """`load_lora(name, path)` (or `unload_lora(name)`) on every live worker of both
+        pools at once: the workers asked and each one's reply (a call that failed or did
+        not answer within LORA_CALL_TIMEOUT_S is a reply with its error)."""
+        workers = await self.live_workers()
+
+        async def call(w: WorkerInfo) -> LoRAReply:
+            handle: DecodeHandle | PrefillHandle | None
+            handle = self.decode if w.role == "decode" else self.prefill
+            if handle is None:
+                return {"worker_id": w.worker_id, "error": "no handle for its pool"}
+            method = handle.load_lora if load else handle.unload_lora
+            args = (name, path) if load else (name,)
+            try:
+                reply: LoRAReply = await asyncio.wait_for(
+                    method.remote(*args, target_replica=w.worker_id), LORA_CALL_TIMEOUT_S
+                )
+            except Exception as exc:  # a dead replica, a timeout: Ray's error types
+                error = f"worker {w.worker_id} did not answer: {exc!r}"
+                return {"worker_id": w.worker_id, "error": error, "unreachable": True}
+            return reply
+
+        return workers, list(await asyncio.gather(*(call(w) for w in workers)))
 
     async def _live_decode_ids(self) -> set[str] | None:
         """Decode workers the index holds live; None when it cannot say (Redis down)."""
@@ -901,6 +938,8 @@ class RouterCore:
             raise UpstreamError(why) from exc
         except StopAsyncIteration as exc:
             raise _DecodeFailed("the decode worker ended the stream early") from exc
+        except RequestRefused as exc:
+            raise Refused(str(exc)) from exc
         except (asyncio.CancelledError, ShuttingDown):
             raise
         except Exception as exc:  # a dead replica, a failed call: Ray's error types

@@ -89,6 +89,7 @@ _WORKER_GAUGES = {
     "kv_disk_corrupt_blocks": "Disk KV tier: blocks whose checksum failed (computed instead)",
     "kv_disk_recovered_blocks": "Disk KV tier: blocks found in its file at start",
     "kv_disk_read_us_per_block": "Disk KV tier: mean time to read and check a block, us",
+    "lora_adapters": "LoRA adapters loaded (resident)",
 }
 
 
@@ -149,6 +150,9 @@ class ModelMetrics:
         self.transfers_failed = p.transfers_failed.labels(model)
         self.fetches = _Partial(p.fetches, model)
         self.fetch_blocks = p.fetch_blocks.labels(model)
+        self.lora_requests = _Partial(p.lora_requests, model)
+        self.lora_tokens = _Partial(p.lora_tokens, model)
+        self.lora_loads = _Partial(p.lora_loads, model)
         self.fetch_bytes = p.fetch_bytes.labels(model)
         self.resumes = p.resumes.labels(model)
         self.ttft_stage = _Partial(p.ttft_stage, model)
@@ -262,6 +266,26 @@ class RouterMetrics:
             "pdserve_kv_transfer_failures",
             "Pushes that failed (decode prefilled locally)",
             ["model"],
+            registry=r,
+        )
+        # one series per adapter a request named (the cardinality is the adapters')
+        self.lora_requests = Counter(
+            "pdserve_lora_requests",
+            "Requests that named a LoRA adapter, by adapter",
+            ["model", "adapter"],
+            registry=r,
+        )
+        self.lora_tokens = Counter(
+            "pdserve_lora_generation_tokens",
+            "Tokens generated for requests of a LoRA adapter, by adapter",
+            ["model", "adapter"],
+            registry=r,
+        )
+        self.lora_loads = Counter(
+            "pdserve_lora_adapter_changes",
+            "Runtime loads and unloads of LoRA adapters (POST /v1/load_lora_adapter,"
+            " /v1/unload_lora_adapter), by what and outcome",
+            ["model", "change", "outcome"],
             registry=r,
         )
         self.fetches = Counter(

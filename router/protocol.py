@@ -102,6 +102,7 @@ _MAX_REPORTED_ERRORS = 5
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
@@ -444,6 +445,32 @@ class _SamplingRequest(BaseModel):
         if isinstance(value, dict) and value:
             raise _unsupported("logit_bias")
         return value
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body; docs/lora.md)."""
+
+    model_config = _CONFIG
+
+    lora_name: str = Field(
+        min_length=1, max_length=MAX_CACHE_SALT_LEN, description="The name requests use"
+    )
+    lora_path: str = Field(
+        min_length=1, max_length=4096, description="A PEFT folder every worker can read"
+    )
+    base_model_name: str | None = Field(
+        None,
+        description="Extension: the served model the adapter is for (needed only when the"
+        " router serves several)",
+    )
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
+
+    model_config = _CONFIG
+
+    lora_name: str = Field(min_length=1, max_length=MAX_CACHE_SALT_LEN)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -12,17 +12,21 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import redis.asyncio as aioredis
 import torch
 
 from pdserve.cluster.config import ClusterConfig, parse_cpu_set
-from pdserve.cluster.messages import FetchReport, LoadReport
+from pdserve.cluster.lora_registry import LoRARegistry
+from pdserve.cluster.messages import FetchReport, LoadReport, LoRAReply
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.common.kv_events import KVEvent
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.lora.adapter import LoRAError, LoRAInUseError
 from pdserve.kv_transfer import make_sender
 from pdserve.kv_transfer.base import KVSender, tune_malloc
 from pdserve.kv_transfer.torch_payload import layout_of
@@ -118,15 +122,58 @@ class WorkerReplica:
         self._prefix_sender: KVSender | None = None  # made at this replica's first push
 
     async def load_lora_modules(self) -> None:
-        """Load every LoRA adapter of the configuration (`lora_modules`) before this
+        """Load every LoRA adapter of the configuration (`lora_modules`), then those
+        loaded into the cluster at runtime (cluster/lora_registry.py), before this
         replica joins the index: a replica serves each adapter from its first request.
-        An adapter that does not fit the model fails the replica's start, naming it."""
+        An adapter of the configuration that does not fit the model fails the replica's
+        start, naming it; a runtime one is logged and skipped (its load is refused, or
+        was, by every other worker too, and its entry goes)."""
         for name, path in self.config.lora_modules.items():
+            await self.engine.call(_loader(name, path))
+        try:
+            runtime = await LoRARegistry(self.redis, self.config.model_id).all()
+        except Exception as exc:  # Redis down: joining the index waits for it anyway
+            logger.warning("could not read the runtime LoRA adapters (%r); none loaded", exc)
+            return
+        for name, path in sorted(runtime.items()):
+            reply = await self.load_lora(name, path)
+            if reply["error"] is not None:
+                logger.warning("runtime LoRA adapter %r not loaded: %s", name, reply["error"])
 
-            def load(engine: LLMEngine, name: str = name, path: str = path) -> None:
-                engine.load_lora(name, path)
+    async def load_lora(self, name: str, path: str, target_replica: str | None = None) -> LoRAReply:
+        """Load adapter `name` from folder `path` (`POST /v1/load_lora_adapter`, which
+        the router calls on every live worker of both pools). Loading it again from the
+        same folder is a no-op: a replica that started meanwhile loaded it already."""
+        engine = self.engine.engine  # the registry of names only: read off the loop
+        loaded = engine.loras.get(name)
+        if loaded is not None and loaded.path == str(Path(path)):
+            return {"worker_id": self.worker_id, "error": None}
+        try:
+            await self.engine.call(_loader(name, path))
+        except LoRAError as exc:
+            return {"worker_id": self.worker_id, "error": str(exc)}
+        except Exception as exc:  # not the adapter's fault as far as it knows: logged
+            logger.exception("loading LoRA adapter %r from %s failed", name, path)
+            return {"worker_id": self.worker_id, "error": f"{type(exc).__name__}: {exc}"}
+        logger.info("LoRA adapter %r loaded from %s", name, path)
+        return {"worker_id": self.worker_id, "error": None}
 
-            await self.engine.call(load)
+    async def unload_lora(self, name: str, target_replica: str | None = None) -> LoRAReply:
+        """Unload adapter `name` (`POST /v1/unload_lora_adapter`); refused (`in_use`)
+        while a request runs with it. One not loaded here is no error: the unload's goal
+        holds."""
+
+        def unload(engine: LLMEngine) -> None:
+            if name in engine.loras:
+                engine.unload_lora(name)
+
+        try:
+            await self.engine.call(unload)
+        except LoRAInUseError as exc:
+            return {"worker_id": self.worker_id, "error": str(exc), "in_use": True}
+        except LoRAError as exc:
+            return {"worker_id": self.worker_id, "error": str(exc)}
+        return {"worker_id": self.worker_id, "error": None}
 
     def prefix_sender(self) -> KVSender:
         """The sender of this replica's peer-fetch pushes (the prefill role uses its own)."""
@@ -304,3 +351,10 @@ def _parallel_load(engine: LLMEngine) -> dict[str, Any]:
         "all_reduce_ms_per_step": round(stats.all_reduce_s_per_step * 1000, 3),
         "collective_ms_per_step": round(stats.collective_s_per_step * 1000, 3),
     }
+
+
+def _loader(name: str, path: str) -> Callable[[LLMEngine], None]:
+    def load(engine: LLMEngine) -> None:
+        engine.load_lora(name, path)
+
+    return load

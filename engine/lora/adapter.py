@@ -44,6 +44,10 @@ class LoRAError(InvalidRequestError):
     """An adapter that cannot be served on this base model (an HTTP 400)."""
 
 
+class LoRAInUseError(LoRAError):
+    """An unload refused: requests still run with the adapter (an HTTP 409)."""
+
+
 @dataclass(frozen=True)
 class LoRAAdapter:
     """One adapter's weights on this engine's device and dtype.
@@ -93,10 +97,13 @@ def load_adapter(
 ) -> LoRAAdapter:
     """Read, check and place the adapter at `path`; LoRAError for anything it cannot be."""
     folder = Path(path)
-    if not (folder / "adapter_config.json").is_file():
-        raise LoRAError(f"adapter {name!r}: no adapter_config.json in {str(folder)!r}")
-    if not (folder / "adapter_model.safetensors").is_file():
-        raise LoRAError(f"adapter {name!r}: no adapter_model.safetensors in {str(folder)!r}")
+    for required in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            found = (folder / required).is_file()
+        except (OSError, ValueError) as exc:  # a name the OS refuses (a NUL, too long)
+            raise LoRAError(f"adapter {name!r}: cannot read {str(folder)!r}: {exc}") from exc
+        if not found:
+            raise LoRAError(f"adapter {name!r}: no {required} in {str(folder)!r}")
     try:
         spec = json.loads((folder / "adapter_config.json").read_text())
     except (OSError, ValueError) as exc:

@@ -67,6 +67,8 @@ API_ROUTES = {
     ("GET", "/v1/models"),
     ("POST", COMPLETIONS),
     ("POST", CHAT),
+    ("POST", "/v1/load_lora_adapter"),  # 403 here: runtime LoRA is off by default
+    ("POST", "/v1/unload_lora_adapter"),
 }
 ERROR_KEYS = {"message", "type", "param", "code"}
 FUZZ_SETTINGS = settings(

@@ -20,7 +20,7 @@ import pytest
 from pdserve.cluster.config import ClusterConfig
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import ChecksumMismatchError
-from pdserve.router.core import Overloaded, RouterCore
+from pdserve.router.core import Overloaded, Refused, RouterCore
 from pdserve.router.metrics import LOCAL_PREFILL_REASONS, RouterMetrics
 from tests.router.fakes import (
     TIMEOUT_S,
@@ -230,6 +230,33 @@ async def test_a_stream_whose_decode_worker_dies_resumes_on_another() -> None:
     assert c.local_prefills() == {"resume": 1}
     assert c.metric("pdserve_placements_total", role="decode", worker="d1") == 1
     assert d1.aborted == []
+    c.assert_nothing_held()
+
+
+@pytest.mark.parametrize("invalid", [True, False], ids=["refused", "failed"])
+@in_loop
+async def test_a_request_the_engine_refuses_is_not_resumed(invalid: bool) -> None:
+    """An error item marked `invalid` (the engine refused the request itself: say, its
+    LoRA adapter was unloaded since the router looked) ends the request with `Refused`
+    (a 400) and no resume; any other error item resumes it elsewhere."""
+    c = Cluster("d0", "d1", disagg_policy="always")
+    d0, d1 = c.decode["d0"], c.decode["d1"]
+    c.index.add("d1", "decode", running=3)  # placement prefers the idle d0
+    error = {"type": "error", "message": "no LoRA adapter 'a' is loaded"}
+    d0.script["r1"] = [{**error, "invalid": True} if invalid else error]
+    d1.script["r1-resume1"] = [output(13, kv_used=False, local_prefill_s=0.01), output(14, True)]
+    items = c.core.generate("r1", PROMPT, SamplingParams(max_tokens=2), time.monotonic())
+    try:
+        if invalid:
+            with pytest.raises(Refused, match="no LoRA adapter 'a' is loaded") as refused:
+                await drain(items)
+            assert refused.value.status_code == 400
+        else:
+            assert tokens(await drain(items)) == [13, 14]
+    finally:
+        c.close()
+    assert d1.submitted == ([] if invalid else ["r1-resume1"])
+    assert c.metric("pdserve_decode_resumes_total") == (0 if invalid else 1)
     c.assert_nothing_held()
 
 
