@@ -11,14 +11,14 @@ step adds every adapter's delta `scaling * (x A^T) B^T` to its rows, in one of t
   but a handful of small operations per adapter, projection and layer.
 - stacked: every adapter of the step side by side (`LoRAStack`, built once per set of
   adapters and kept by the runner): all rows go down through every adapter's A in one
-  matmul, a mask keeps each row's own adapter's columns, one matmul per part goes up
-  through the B's, and each row is scaled by its adapter's scaling. A fixed handful of
+  matmul, a mask keeps each row's own adapter's columns times its scaling, and one
+  matmul per part goes up through the B's, added into the output as it goes. A fixed handful of
   operations whatever the number of adapters, at the price of computing every row
   against every adapter.
 
 A decode step of many adapters' rows (few rows each) is cheapest stacked; a prompt's
 long run of rows of one adapter, next to others, segmented. `LoRAStep.of` weighs the two
-(`_GROUP_COST`). Both give the same tokens: the masked columns add exact zeros.
+(`_GROUP_COST`). The masked columns add exact zeros: the forms differ only in rounding.
 """
 
 from __future__ import annotations
@@ -198,19 +198,24 @@ class LoRAStep:
         if stacked is None:
             return
         down = x.to(stacked.a.dtype) @ stacked.a.t()  # [T, R]: every row, every adapter
-        down.mul_(self._mask(stacked, down.dtype))  # each row its own adapter's columns
+        # each row its own adapter's columns, times its scaling (in float32: one rounding
+        # of the product, as the segmented form's scalar)
+        down.mul_(self._mask(stacked))
         for part in stacked.parts:
-            delta = down[:, part.columns] @ part.b.t()
-            delta.mul_(self.row_scale)  # in float32, as the segmented form's scalar
-            out[:, part.out].add_(delta.to(out.dtype))
+            target = out[:, part.out]
+            if down.dtype == out.dtype:
+                target.addmm_(down[:, part.columns], part.b.t())
+            else:
+                target.add_((down[:, part.columns] @ part.b.t()).to(out.dtype))
 
-    def _mask(self, stacked: _Stacked, dtype: torch.dtype) -> torch.Tensor:
-        """[T, R]: 1 in a row's own adapter's columns, 0 elsewhere (one per column
-        layout: every layer of a stack has the same, unless an adapter skips one)."""
+    def _mask(self, stacked: _Stacked) -> torch.Tensor:
+        """[T, R] float32: a row's scaling in its own adapter's columns, 0 elsewhere (one
+        per column layout: every layer of a stack has the same, unless an adapter skips
+        one)."""
         mask = self._masks.get(stacked.layout)
         if mask is None:
-            assert self.row_owner is not None
+            assert self.row_owner is not None and self.row_scale is not None
             own = self.row_owner.unsqueeze(1) == stacked.owner.unsqueeze(0)
-            mask = own.to(dtype)
+            mask = own.to(torch.float32) * self.row_scale
             self._masks[stacked.layout] = mask
         return mask
