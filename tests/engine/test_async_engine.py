@@ -54,6 +54,9 @@ class InstantEngine:
         for request_id in request_ids:
             self.pending.pop(request_id, None)
 
+    def flush_kv_tiers(self) -> None:
+        """No KV tiers here (AsyncEngine calls it at a clean stop)."""
+
 
 def test_a_started_requests_first_output_comes_before_the_next_steps() -> None:
     async def run() -> list[list[int]]:
