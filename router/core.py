@@ -55,6 +55,7 @@ from pdserve.cluster.messages import (
     OutputItem,
     PrefillHandle,
     PrefillReport,
+    WorkerHandle,
     WorkerState,
     fetch_id,
 )
@@ -268,8 +269,7 @@ class RouterCore:
         workers = await self.live_workers()
 
         async def call(w: WorkerInfo) -> LoRAReply:
-            handle: DecodeHandle | PrefillHandle | None
-            handle = self.decode if w.role == "decode" else self.prefill
+            handle: WorkerHandle | None = self.decode if w.role == "decode" else self.prefill
             if handle is None:
                 return {"worker_id": w.worker_id, "error": "no handle for its pool"}
             method = handle.load_lora if load else handle.unload_lora

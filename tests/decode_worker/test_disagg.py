@@ -10,9 +10,10 @@ prefill.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,29 @@ def _change_first_block(prompt: list[int]) -> list[int]:
     return [prompt[0] + 1, *prompt[1:]]
 
 
+@contextlib.asynccontextmanager
+async def disagg_pair(
+    model_dir: Path, kv_wait_s: float = 5.0
+) -> AsyncIterator[tuple[DecodeWorker, PrefillWorker, str]]:
+    """A decode and a prefill worker on engines of their own, joined by a loopback hub:
+    (decode, prefill, the decode receiver's address). Leaving the block checks that
+    neither engine leaked a block, and closes both."""
+    hub = LoopbackHub()
+    p_async, d_async = AsyncEngine(new_engine(model_dir)), AsyncEngine(new_engine(model_dir))
+    layout = layout_of(d_async.engine.runner.kv_cache)
+    receiver = LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout))
+    decode = DecodeWorker(d_async, receiver, kv_wait_timeout_s=kv_wait_s)
+    prefill = PrefillWorker(p_async, LoopbackSender(hub), TOKEN)
+    try:
+        yield decode, prefill, await decode.start()
+        for e in (p_async.engine, d_async.engine):
+            e.block_pool.check_no_leaks()
+    finally:
+        await decode.close()
+        await p_async.close()
+        await d_async.close()
+
+
 @pytest.mark.parametrize("mixed_up", ["model", "prompt"])
 def test_kv_of_another_model_or_prompt_is_refused_then_prefilled_here(
     model_dir: Path, mixed_up: str
@@ -261,14 +285,7 @@ def test_salted_kv_crosses_only_to_a_request_of_the_same_salt(model_dir: Path) -
     salted = dataclasses.replace(GREEDY, cache_salt="tenant-a")
 
     async def run() -> None:
-        hub = LoopbackHub()
-        p_async, d_async = AsyncEngine(new_engine(model_dir)), AsyncEngine(new_engine(model_dir))
-        layout = layout_of(d_async.engine.runner.kv_cache)
-        receiver = LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout))
-        decode = DecodeWorker(d_async, receiver, kv_wait_timeout_s=5.0)
-        prefill = PrefillWorker(p_async, LoopbackSender(hub), TOKEN)
-        address = await decode.start()
-        try:
+        async with disagg_pair(model_dir) as (decode, prefill, address):
             decode.expect_kv("r0", prompt, cache_salt="tenant-a")
             other = dataclasses.replace(GREEDY, cache_salt="tenant-b")
             with pytest.raises(KVMismatchError):
@@ -282,17 +299,11 @@ def test_salted_kv_crosses_only_to_a_request_of_the_same_salt(model_dir: Path) -
             out, result = await asyncio.gather(stream, pushed)
             assert out.token_ids == want and decode.num_local_fallbacks == 1  # KV used
             assert result.num_cached_tokens == 0  # tenant-b's blocks are not tenant-a's
-            eng = d_async.engine
+            eng = decode.engine.engine
             cached = set(eng.block_pool.cached_hashes())
             for salt, held in (("tenant-a", True), ("tenant-b", False), (None, False)):
                 chain = hash_block_chain(prompt, 8, eng.namespace_for(salt))
                 assert (set(chain) <= cached) is held and bool(set(chain) & cached) is held
-            for e in (p_async.engine, eng):
-                e.block_pool.check_no_leaks()
-        finally:
-            await decode.close()
-            await p_async.close()
-            await d_async.close()
 
     (want,) = [o.token_ids for o in colocated_outputs(model_dir, lambda i: GREEDY)][2:3]
     asyncio.run(asyncio.wait_for(run(), 120))
@@ -309,16 +320,9 @@ def test_an_adapters_kv_crosses_under_its_own_model_id(model_dir: Path, tmp_path
     lora = dataclasses.replace(GREEDY, lora="qv")
 
     async def run() -> None:
-        hub = LoopbackHub()
-        p_async, d_async = AsyncEngine(new_engine(model_dir)), AsyncEngine(new_engine(model_dir))
-        for e in (p_async.engine, d_async.engine):
-            e.load_lora("qv", adapter)
-        layout = layout_of(d_async.engine.runner.kv_cache)
-        receiver = LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout))
-        decode = DecodeWorker(d_async, receiver, kv_wait_timeout_s=5.0)
-        prefill = PrefillWorker(p_async, LoopbackSender(hub), TOKEN)
-        address = await decode.start()
-        try:
+        async with disagg_pair(model_dir) as (decode, prefill, address):
+            for worker in (decode, prefill):
+                worker.engine.engine.load_lora("qv", adapter)
             decode.expect_kv("r0", prompt, lora="qv")
             with pytest.raises(KVMismatchError, match="KV of model 'ckpt"):
                 await prefill.prefill("r0", prompt, GREEDY, address)  # the base's KV
@@ -331,12 +335,6 @@ def test_an_adapters_kv_crosses_under_its_own_model_id(model_dir: Path, tmp_path
             again, _ = await asyncio.gather(stream, pushed)
             assert decode.num_local_fallbacks == 1  # the adapter's own KV: taken
             assert again.token_ids == out.token_ids
-            for e in (p_async.engine, d_async.engine):
-                e.block_pool.check_no_leaks()
-        finally:
-            await decode.close()
-            await p_async.close()
-            await d_async.close()
 
     asyncio.run(asyncio.wait_for(run(), 120))
 
@@ -354,31 +352,17 @@ def test_choices_of_a_request_whose_first_choice_ends_at_its_first_token(
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=7, ignore_eos=True, n=3)
 
     async def run() -> tuple[dict[str, list[int]], int]:
-        hub = LoopbackHub()
-        p_async, d_async = AsyncEngine(new_engine(model_dir)), AsyncEngine(new_engine(model_dir))
-        layout = layout_of(d_async.engine.runner.kv_cache)
-        decode = DecodeWorker(
-            d_async, LoopbackReceiver(hub, ReceiverConfig(TOKEN, layout)), kv_wait_timeout_s=60
-        )
-        prefill = PrefillWorker(p_async, LoopbackSender(hub), TOKEN)
-        address = await decode.start()
         done: dict[str, list[int]] = {}
+        async with disagg_pair(model_dir, kv_wait_s=60) as (decode, prefill, address):
 
-        async def consume() -> None:
-            async for out in decode.generate("r", prompt, params, kv_expected=True):
-                if out.finished:
-                    done[out.request_id] = out.token_ids
+            async def consume() -> None:
+                async for out in decode.generate("r", prompt, params, kv_expected=True):
+                    if out.finished:
+                        done[out.request_id] = out.token_ids
 
-        try:
             decode.expect_kv("r", prompt)
             await asyncio.gather(consume(), prefill.prefill("r", prompt, params, address))
-            for e in (p_async.engine, d_async.engine):
-                e.block_pool.check_no_leaks()
-            return done, decode.num_local_fallbacks
-        finally:
-            await decode.close()
-            await p_async.close()
-            await d_async.close()
+        return done, decode.num_local_fallbacks
 
     done, fallbacks = asyncio.run(asyncio.wait_for(run(), 120))
     assert fallbacks == 0  # choice 0 used the pushed KV
