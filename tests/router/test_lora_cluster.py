@@ -1,5 +1,6 @@
-"""LoRA adapters through the served cluster: `pdserve up --lora NAME=PATH`, the official
-client naming an adapter in `model`.
+"""LoRA adapters through the served cluster: `pdserve up --lora NAME=PATH` (three
+adapters of ranks 4, 8 and 16, targeting q and v, all seven projections, and o with the
+MLP under rsLoRA), the official client naming an adapter in `model`.
 
 Colocated, and disaggregated over gRPC and UCX, where the prompt's KV crosses from the prefill
 worker (which ran the adapter too) to the decode worker: its blocks are hashed in the
@@ -40,10 +41,11 @@ def test_requests_name_adapters_and_get_their_merged_models_tokens(
     adapters = {
         "qv4": _make_adapter(base, tmp_path / "qv4", 4, 8, ["q_proj", "v_proj"], False, 1),
         "all8": _make_adapter(base, tmp_path / "all8", 8, 16, all7, False, 2),
+        "mlp16": _make_adapter(base, tmp_path / "mlp16", 16, 8, all7[3:], True, 3),
     }
     rng = random.Random(5)
-    prompts = [[rng.randrange(5, 500) for _ in range(20 + 7 * i)] for i in range(6)]
-    names: list[str | None] = [None, "qv4", "all8"] * 2
+    prompts = [[rng.randrange(5, 500) for _ in range(20 + 7 * i)] for i in range(8)]
+    names: list[str | None] = [None, "qv4", "all8", "mlp16"] * 2
     folders = {
         None: base,
         **{n: _merged(base, p, tmp_path / f"m-{n}") for n, p in adapters.items()},
@@ -54,7 +56,7 @@ def test_requests_name_adapters_and_get_their_merged_models_tokens(
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         cards = {m.id: m for m in client.models.list().data}
         base_id = next(m for m in cards if m not in adapters)
-        assert set(cards) == {base_id, "qv4", "all8"}
+        assert set(cards) == {base_id, *adapters}
         assert all(cards[n].model_extra["parent"] == base_id for n in adapters)
 
         def complete(i: int) -> tuple[str, list[int]]:
