@@ -56,10 +56,24 @@ def test_a_client_gone_before_its_kv_frees_the_decode_worker_at_once(
     def gauge(name: str) -> float:  # heartbeat gauges: /metrics asks no (frozen) worker
         return float(api.metric(url, name, worker=decode["worker_id"], role="decode"))
 
+    # Before the prefill workers freeze, the router must place on them: a request whose
+    # KV crossed says so. (Right after the cluster starts, the router's view of the index
+    # may not list them yet; its requests were then prefilled on decode, and the frozen
+    # workers never awaited: CI saw "the decode worker expects the KV: not within 20 s".)
+    model = api.get_json(f"{url}/v1/models")["data"][0]["id"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    crossed = api.metric(url, "pdserve_kv_transfer_blocks_total")
+
+    def placed_on_prefill() -> bool:
+        client.completions.create(model=model, prompt=[4, 5, 6, 7] * 5, max_tokens=1)
+        return api.metric(url, "pdserve_kv_transfer_blocks_total") > crossed
+
+    poll("a request's KV crossed from a prefill worker", placed_on_prefill, POLL_DEADLINE_S)
+    local_before = api.local_prefills(url)
+
     for w in prefill:
         os.kill(w["pid"], signal.SIGSTOP)  # no KV can come now
     try:
-        model = api.get_json(f"{url}/v1/models")["data"][0]["id"]
         parts = urllib.parse.urlsplit(url)
         for stream in (True, False):
             conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=60)
@@ -96,7 +110,8 @@ def test_a_client_gone_before_its_kv_frees_the_decode_worker_at_once(
         )
 
     poll("every worker idle after the prefill workers resume", idle, 60.0)
-    assert api.local_prefills(url) == {}, "the cancelled request was never prefilled on decode"
+    cancelled_prefilled = api.local_prefills(url) != local_before
+    assert not cancelled_prefilled, "the cancelled request was never prefilled on decode"
 
 
 def test_requests_survive_a_dead_prefill_worker(
