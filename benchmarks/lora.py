@@ -132,6 +132,7 @@ def main() -> None:
             num_threads=args.threads,
             max_num_seqs=max(args.requests, 1),
             max_lora_rank=max(args.rank, 1),
+            max_loras=most,  # every adapter resident: the steps mix all of them
         )
         for i in range(most):
             llm.load_lora(f"a{i}", write_adapter(root / f"a{i}", spec, args.rank, seed=i + 1))

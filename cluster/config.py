@@ -444,6 +444,7 @@ class ClusterConfig(BaseModel):
         " adapters from folders every worker can read",
     )
     max_lora_rank: int = engine_field("max_lora_rank")
+    max_loras: int = engine_field("max_loras")
     # a GPU step stays far below it, so it binds only where a prompt really would stall
     # the streams (CPU)
     tpot_target_ms: float | None = engine_field(
@@ -945,6 +946,7 @@ class ClusterConfig(BaseModel):
             kv_disk_dir=self.kv_disk_dir,
             kv_disk_gib=self.kv_disk_gib,
             max_lora_rank=self.max_lora_rank,
+            max_loras=self.max_loras,
             tpot_target_ms=self.tpot_target_ms,
             prefill_wait_limit_ms=self.prefill_wait_limit_ms,
             seed=self.seed,

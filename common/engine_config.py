@@ -205,6 +205,16 @@ class EngineConfig(BaseModel):
         description="The highest rank of a LoRA adapter this engine loads; one above it is"
         " refused at load (engine/lora/adapter.py).",
     )
+    max_loras: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="LoRA adapters resident on the device at once: what one step can mix."
+        " Every loaded adapter is kept in host memory; one a request needs is copied in"
+        " when a slot is free or held by an adapter no running request uses (the least"
+        " recently used is swapped out), else the request waits for a slot"
+        " (engine/sched/lora_slots.py).",
+    )
     distributed_timeout_s: float = Field(
         default=300.0,
         gt=0,

@@ -38,6 +38,11 @@ def lora_model_id(model_id: str, lora: str) -> str:
     return f"{model_id}\x00lora\x00{lora}"
 
 
+LORA_GAUGE_PREFIX = "lora:"
+"""A worker's load gauge `lora:NAME`: 1 while adapter NAME is resident on its device, 0
+while only in its host memory (engine `load()`; placement reads it)."""
+
+
 def request_namespace(model_id: str, cache_salt: str | None, lora: str | None) -> bytes:
     """The namespace of one request's blocks: its model's (or its LoRA adapter's on that
     model), salted with its `cache_salt`; what the router and every engine hash it in."""

@@ -23,7 +23,13 @@ from pdserve.common.engine_config import (
     default_num_threads,
 )
 from pdserve.common.errors import InvalidRequestError, PromptTooLongError
-from pdserve.common.hashing import BlockHash, hash_namespace, lora_model_id, request_namespace
+from pdserve.common.hashing import (
+    LORA_GAUGE_PREFIX,
+    BlockHash,
+    hash_namespace,
+    lora_model_id,
+    request_namespace,
+)
 from pdserve.common.kv_events import KVEvent, KVEventKind
 from pdserve.common.model_config import ModelConfig, load_model_config
 from pdserve.common.sampling_params import SamplingParams
@@ -42,6 +48,7 @@ from pdserve.engine.outputs import RequestOutput, TextTracker, make_output
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sched.block_pool import BlockPool
 from pdserve.engine.sched.kv_cache_manager import KVCacheManager
+from pdserve.engine.sched.lora_slots import LoRASlots
 from pdserve.engine.sched.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from pdserve.engine.sched.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
 from pdserve.engine.sched.step_cost import StepCostModel
@@ -247,8 +254,9 @@ class LLMEngine:
         self.scheduler = self._make_scheduler()
         self.clock = time.perf_counter  # step wall times (tests inject a fake)
         self.runner = self._make_runner()
-        # LoRA adapters by name (load_lora); the runner reads the same dict each step
-        self.loras: dict[str, LoRAAdapter] = self.runner.loras
+        # LoRA adapters by name (load_lora), in host memory; the resident ones
+        # (`lora_slots`, at most max_loras) also in the runner's `loras`, on the device
+        self.loras: dict[str, LoRAAdapter] = {}
         if config.kv_host_gib:
             kv = self.runner.kv_cache
             disk = None
@@ -366,6 +374,7 @@ class LLMEngine:
             ),
             self.step_cost,
             proposer=self._make_proposer(),
+            lora_slots=LoRASlots(config.max_loras),
             spec_policy=(
                 SpecPolicy(self.step_cost)
                 if spec is not None and spec.adaptive and self.step_cost is not None
@@ -874,9 +883,11 @@ class LLMEngine:
             self.model_config,
             self.config.max_lora_rank,
             self.model.dtype,
-            self.device,
+            torch.device("cpu"),
         )
-        self.loras[name] = adapter
+        if self.device.type == "cuda":
+            adapter = adapter.pinned()
+        self.loras[name] = adapter  # resident once a request needs it (_swap_loras)
         return adapter
 
     def unload_lora(self, name: str) -> None:
@@ -891,6 +902,41 @@ class LLMEngine:
                 "once they finish"
             )
         del self.loras[name]
+        self.lora_slots.forget(name)
+        self._swap_loras()
+
+    @property
+    def lora_slots(self) -> LoRASlots:
+        slots = self.scheduler.lora_slots
+        assert slots is not None
+        return slots
+
+    def _swap_loras(self) -> None:
+        """Copy in the adapters the scheduler made resident, drop those it swapped out
+        (engine/sched/lora_slots.py), before the step that uses them."""
+        for change, name in self.lora_slots.take_changes():
+            if change == "evict":
+                self.runner.loras.pop(name, None)
+            else:
+                self.runner.loras[name] = self.loras[name].to(self.device)
+
+    def _lora_gauges(self) -> dict[str, int]:
+        """How many adapters are loaded and resident, the loads and evictions so far, the
+        slots free now, and per adapter `lora:NAME` 1 while resident, 0 while only in
+        host memory: placement prefers a worker that holds the adapter
+        (router/placement.py)."""
+        if not self.loras:
+            return {"lora_adapters": 0}
+        slots = self.lora_slots
+        resident = set(slots.resident)
+        return {
+            "lora_adapters": len(self.loras),
+            "lora_resident": len(resident),
+            "lora_loads": slots.loads,
+            "lora_evictions": slots.evictions,
+            "lora_slots_free": slots.free(self.scheduler.adapters_running()),
+            **{f"{LORA_GAUGE_PREFIX}{name}": int(name in resident) for name in self.loras},
+        }
 
     @property
     def has_unfinished(self) -> bool:
@@ -933,7 +979,7 @@ class LLMEngine:
             # KV handoff blocks the Triton kernels moved: which path the handoffs took
             "kv_kernel_blocks_packed": self.kv_staging.kernel_blocks_packed,
             "kv_kernel_blocks_unpacked": self.kv_staging.kernel_blocks_unpacked,
-            "lora_adapters": len(self.loras),
+            **self._lora_gauges(),
             **self._host_tier_gauges(),
             **self._parallel_gauges(),
             **(sched.spec_stats.gauges() if sched.proposer is not None else {}),
@@ -1005,6 +1051,8 @@ class LLMEngine:
         start_s = self.clock()
         start_wall = time.time()
         sched_out = self.scheduler.schedule()
+        if self.loras:
+            self._swap_loras()
         if self._prefix_holds:
             self._release_prefix_holds(sched_out)
         if sched_out.is_empty:

@@ -89,7 +89,12 @@ _WORKER_GAUGES = {
     "kv_disk_corrupt_blocks": "Disk KV tier: blocks whose checksum failed (computed instead)",
     "kv_disk_recovered_blocks": "Disk KV tier: blocks found in its file at start",
     "kv_disk_read_us_per_block": "Disk KV tier: mean time to read and check a block, us",
-    "lora_adapters": "LoRA adapters loaded (resident)",
+    "lora_adapters": "LoRA adapters loaded (in host memory; resident ones too)",
+    "lora_resident": "LoRA adapters resident on the device (at most max_loras)",
+    "lora_slots_free": "LoRA adapter slots a new adapter could take now (empty, or held by"
+    " an adapter no running request uses)",
+    "lora_loads": "LoRA adapters copied onto the device since start",
+    "lora_evictions": "LoRA adapters swapped out of the device for another since start",
 }
 
 

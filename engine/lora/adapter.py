@@ -12,6 +12,7 @@ the adapter is kept: an adapter is never half loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -50,7 +51,8 @@ class LoRAInUseError(LoRAError):
 
 @dataclass(frozen=True)
 class LoRAAdapter:
-    """One adapter's weights on this engine's device and dtype.
+    """One adapter's weights in the engine's dtype, in host memory (what the engine keeps
+    of every adapter it serves) or on its device (`to`: a resident one).
 
     `weights[layer][module]`: (A [r, in], B [out, r]) for every adapted projection.
     """
@@ -61,6 +63,29 @@ class LoRAAdapter:
     scaling: float
     target_modules: frozenset[str]
     weights: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...]
+
+    def to(self, device: torch.device) -> LoRAAdapter:
+        """This adapter with its weights on `device` (itself where they are already:
+        on a CPU engine the host copy is the resident one)."""
+        if all(a.device == device for layer in self.weights for a, _ in layer.values()):
+            return self
+        weights = tuple(
+            {
+                m: (a.to(device, non_blocking=True), b.to(device, non_blocking=True))
+                for m, (a, b) in layer.items()
+            }
+            for layer in self.weights
+        )
+        return dataclasses.replace(self, weights=weights)
+
+    def pinned(self) -> LoRAAdapter:
+        """This adapter in page-locked host memory, so copies to a GPU run asynchronously
+        on the engine's stream."""
+        weights = tuple(
+            {m: (a.pin_memory(), b.pin_memory()) for m, (a, b) in layer.items()}
+            for layer in self.weights
+        )
+        return dataclasses.replace(self, weights=weights)
 
     @property
     def num_bytes(self) -> int:

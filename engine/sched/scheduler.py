@@ -42,6 +42,13 @@ for rejected proposals lies beyond it, never read, and is overwritten by the nex
 and blocks that held only rejected slots go back to the pool. Block hashes come from
 `seq.all_token_ids`, which never holds an unaccepted token, so no block holding one is
 ever registered in the prefix cache.
+
+LoRA adapters (`lora_slots`, engine/sched/lora_slots.py): a step holds sequences of at
+most `max_loras` adapters, the resident ones. A waiting sequence whose adapter can get
+no slot (every resident adapter serves running sequences) stays in its place in the
+queue while those behind it are admitted. A sequence that joins the running batch
+directly (its prompt's KV imported from a prefill worker) takes its slot then
+(`take_lora_slot`), or is refused.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.engine.sched.kv_cache_manager import KVCacheManager
+from pdserve.engine.sched.lora_slots import LoRASlots
 from pdserve.engine.sched.sequence import FinishReason, Sequence, SequenceStatus
 from pdserve.engine.sched.step_cost import StepShape, chunk_attention
 from pdserve.engine.spec_decode.proposer import BatchProposer, Proposer, SpecPolicy, SpecStats
@@ -196,8 +204,10 @@ class Scheduler:
         cost_model: StepCostPredictor | None = None,
         proposer: Proposer | BatchProposer | None = None,
         spec_policy: SpecPolicy | None = None,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
         self.kv = kv
+        self.lora_slots = lora_slots  # resident LoRA adapters; None: every one is
         self.limits = limits
         self.cost_model = cost_model
         self.proposer = proposer  # speculative decoding; None: off
@@ -442,9 +452,35 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         self._enqueue(seq, front=True)
 
+    def take_lora_slot(self, seq: Sequence) -> bool:
+        """For a sequence that joins `running` directly (its prompt's KV imported): make
+        its adapter resident now. False when no slot is free for it (every one serves
+        running sequences); then it must not run."""
+        slots, lora = self.lora_slots, seq.params.lora
+        if slots is None or lora is None:
+            return True
+        in_use = self.adapters_running()
+        if not slots.can_admit(lora, in_use):
+            return False
+        slots.admit(lora, in_use)
+        return True
+
+    def adapters_running(self) -> set[str]:
+        """The LoRA adapters running sequences use (each holds a resident slot)."""
+        return {s.params.lora for s in self.running if s.params.lora is not None}
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, cap: _PrefillCap | None) -> None:
+        slots = self.lora_slots
+        in_use = self.adapters_running() if slots is not None else set()
+        if slots is not None:
+            slots.touch(in_use)
+        passed: list[Sequence] = []  # waiting for an adapter slot: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
+            lora = seq.params.lora
+            if slots is not None and lora is not None and not slots.can_admit(lora, in_use):
+                passed.append(self.waiting.popleft())
+                continue
             computed = self.kv.get_computed_blocks(seq)
             num_cached = len(computed) * self.kv.block_size
             num_new = seq.num_tokens - num_cached
@@ -461,6 +497,9 @@ class Scheduler:
             if cap is not None:
                 cap.add(num_cached, num_new)
             self.waiting.popleft()
+            if slots is not None and lora is not None:
+                slots.admit(lora, in_use)
+                in_use.add(lora)
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_prompt_tokens = num_cached
                 if seq.first_scheduled_s is None:
@@ -470,6 +509,7 @@ class Scheduler:
             self.running.append(seq)
             self._emit(out, seq, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(passed))
 
     @staticmethod
     def _emit(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:

@@ -169,7 +169,8 @@ def import_prefilled(
     The payload is read only during the call (the copy into the cache is synchronous),
     so its buffers may be reused once this returns. Raises KVImportError, holding
     nothing, when the first `first_block` blocks are no longer cached here, a payload
-    has the wrong number of blocks, heads or another layout, or blocks run out.
+    has the wrong number of blocks, heads or another layout, or blocks run out, or
+    its LoRA adapter can get no slot (the caller prefills it locally, through the queue).
     """
     block_size = kv.block_size
     num_prompt = seq.num_prompt_tokens
@@ -198,6 +199,10 @@ def import_prefilled(
     cached = kv.get_computed_blocks(seq)[:first_block] if first_block else []
     if len(cached) < first_block:
         raise KVImportError(f"only {len(cached)} of {first_block} prefix blocks are cached here")
+    if not scheduler.take_lora_slot(seq):
+        raise KVImportError(
+            f"no slot for LoRA adapter {seq.params.lora!r}: every one serves running requests"
+        )
     if not kv.allocate_slots(seq, num_prompt - first_block * block_size, cached):
         raise KVImportError("no free KV blocks for the arriving prompt")
     # the payload was checked above, before any block was taken (allocate_slots already

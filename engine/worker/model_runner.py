@@ -218,7 +218,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        if self.loras and _uses_lora(out):
+        if _uses_lora(out):  # never the base model's forward for an adapter's rows
             return self._execute_lora(out)
         graphs = self.graphs
         if graphs is not None and not out.prefills and (out.decodes or out.verifies):
@@ -279,6 +279,9 @@ class ModelRunner:
             name = item.seq.params.lora
             if name is not None:
                 rows.setdefault(name, []).append(at + row)
+        missing = sorted(set(rows) - set(self.loras))
+        if missing:  # the scheduler makes every running sequence's adapter resident
+            raise RuntimeError(f"LoRA adapters {missing} have rows in a step but no slot")
         return [(self.loras[name], r) for name, r in rows.items()]
 
     @torch.inference_mode()

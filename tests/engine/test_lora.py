@@ -20,6 +20,7 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.llm import LLM
 from pdserve.engine.lora.adapter import LoRAError
+from pdserve.engine.worker.kv_handoff import KVImportError
 
 MAX_TOKENS = 6
 # (name, rank, alpha, target modules, rslora): ranks and targets differ on purpose
@@ -130,6 +131,79 @@ def test_a_batch_mixing_adapters_gives_each_its_merged_models_tokens(
     assert base_tokens != wanted
     assert base_tokens[::4] == wanted[::4]
     assert llm.engine.model.ops is not None and llm.engine.model.ops.fused == (backend == "triton")
+
+
+def test_more_adapters_than_slots_swap_in_and_out_and_keep_every_rows_tokens(
+    base_dir: Path, adapters: dict[str, Path], references: Any
+) -> None:
+    """max_loras=2 with three adapters and the base in one batch: no step holds rows of
+    more than two adapters, each swapped-in adapter is the one its rows need, and every
+    request still gets its merged model's tokens."""
+    names: list[str | None] = [None, "qv4", "all8", "mlp16"]
+    prompts = _prompts(8)
+    wanted = [references(names[i % 4], [p])[0] for i, p in enumerate(prompts)]
+    llm = _llm(base_dir, max_loras=2)
+    for name, path in adapters.items():
+        llm.load_lora(name, path)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, _params(names[i % 4]))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        running = {s.params.lora for s in engine.scheduler.running} - {None}
+        assert running <= set(engine.runner.loras) and len(engine.runner.loras) <= 2
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == wanted
+    gauges = engine.load()
+    assert gauges["lora_adapters"] == 3 and gauges["lora_resident"] == 2
+    assert gauges["lora_loads"] >= 3 and gauges["lora_evictions"] == gauges["lora_loads"] - 2
+    assert sum(gauges[f"lora:{name}"] for name in adapters) == 2
+    assert gauges["lora_slots_free"] == 2  # nothing runs: either slot can be taken
+
+
+def test_a_prompt_prefilled_elsewhere_decodes_with_its_adapter_or_is_refused_without_a_slot(
+    base_dir: Path, adapters: dict[str, Path], references: Any
+) -> None:
+    """The split, in the engine: a decode engine that takes a prompt's KV from a prefill
+    engine gives the adapter's row a slot as it joins the batch, so it decodes with the
+    adapter; with its one slot serving a running request of another adapter, the import
+    is refused (KVImportError: the worker prefills it locally, through the queue) and
+    nothing is held."""
+    prompts = _prompts(2)
+    p_eng, d_eng = _llm(base_dir).engine, _llm(base_dir, max_loras=1).engine
+    for eng in (p_eng, d_eng):
+        for name, path in adapters.items():
+            eng.load_lora(name, path)
+
+    def prefilled(rid: str, prompt: list[int], name: str) -> Any:
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, lora=name)
+        p_eng.add_request(rid, prompt, params, hold_kv=True)
+        while p_eng.has_unfinished:
+            p_eng.step()
+        export = p_eng.export_kv(rid)
+        p_eng.release_kv(rid)
+        return export
+
+    export = prefilled("a", prompts[0], "all8")
+    d_eng.add_prefilled_request(
+        "a", prompts[0], export.first_token, _params("all8"), export.payload
+    )
+    assert set(d_eng.runner.loras) == set() and "all8" in d_eng.lora_slots
+    tokens = [export.first_token]
+    for out in d_eng.step():  # the slot's adapter is copied in before the step using it
+        tokens += out.new_token_ids
+    assert set(d_eng.runner.loras) == {"all8"}
+    other = prefilled("b", prompts[1], "qv4")
+    with pytest.raises(KVImportError, match="no slot for LoRA adapter 'qv4'"):
+        d_eng.add_prefilled_request(
+            "b", prompts[1], other.first_token, _params("qv4"), other.payload
+        )
+    while d_eng.has_unfinished:
+        for out in d_eng.step():
+            tokens += out.new_token_ids
+    assert tokens == references("all8", [prompts[0]])[0]
+    d_eng.block_pool.check_no_leaks()
 
 
 def test_an_adapter_unloaded_and_loaded_again_gives_the_same_tokens(
