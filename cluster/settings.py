@@ -105,6 +105,10 @@ class PlacementWeights(BaseModel):
     Prefill cost, in tokens: tokens left to prefill on the worker + its queued prefill
     tokens. Decode cost: `running` x (running + in-flight sequences) + `kv_usage` x
     (percent of KV blocks in use) - `hit` x (prompt blocks it already holds).
+    A request of a LoRA adapter the worker does not hold resident costs `lora_load` more
+    on a decode worker (in running sequences) and `lora_load_tokens` more on a prefill
+    worker, twice that where every adapter slot serves running requests (the load waits
+    for one to finish); 0 ignores adapters.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -112,6 +116,8 @@ class PlacementWeights(BaseModel):
     running: float = Field(default=1.0, ge=0)
     kv_usage: float = Field(default=0.2, ge=0)
     hit: float = Field(default=0.5, ge=0)
+    lora_load: float = Field(default=8.0, ge=0)
+    lora_load_tokens: float = Field(default=512.0, ge=0)
 
 
 class PoolAutoscaling(BaseModel):

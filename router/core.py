@@ -38,6 +38,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from functools import partial
 from typing import Any, NamedTuple, Protocol, cast
 
 from opentelemetry.trace import Span, SpanKind, Tracer
@@ -349,12 +350,15 @@ class RouterCore:
         for worker_id, m in matches.items():
             if worker_id not in exclude:
                 by_role.setdefault(m.worker.role, {})[worker_id] = m
-        decode = self.placer.choose_decode(by_role["decode"], self.load.decode_streams)
+        holds = None if lora is None else partial(self.load.holds_lora, lora=lora)
+        decode = self.placer.choose_decode(by_role["decode"], self.load.decode_streams, holds)
         n = len(prompt_ids)
         if self.prefill is None:
             return self._place_colocated(decode, by_role["decode"], n)
         rates = self.rates.prefill_rates(by_role["prefill"])
-        prefill = self.placer.choose_prefill(by_role["prefill"], n, self.load.prefill_tokens, rates)
+        prefill = self.placer.choose_prefill(
+            by_role["prefill"], n, self.load.prefill_tokens, rates, holds
+        )
         remote = local = None
         running = 0
         if decode is not None:
@@ -703,7 +707,7 @@ class RouterCore:
             self.timeline.dispatched(request_id, arrival_s, attempt, n, p, d, decision)
         d_target = d.worker_id if d is not None else None
         inflight_at = d_target
-        self.load.stream_opened(inflight_at)
+        self.load.stream_opened(inflight_at, params.lora)
         dispatch: Span | None = None
         trace: dict[str, str] | None = None
         if span is not None and self.tracer is not None:
@@ -744,9 +748,9 @@ class RouterCore:
             serving = accepted.get("worker_id") or d_target
             self._count_placement("decode", d_target, serving)
             if serving != inflight_at:  # Serve gave the call to another replica
-                self.load.stream_closed(inflight_at)
+                self.load.stream_closed(inflight_at, params.lora)
                 inflight_at = serving
-                self.load.stream_opened(inflight_at)
+                self.load.stream_opened(inflight_at, params.lora)
             kv_expected = bool(accepted["kv_expected"])
             if fetch is not None and not accepted.get("fetch_expected"):
                 self.metrics.fetches.labels("refused").inc()
@@ -837,7 +841,7 @@ class RouterCore:
         finally:
             if dispatch is not None:
                 self._end_dispatch(dispatch, p, d, serving, local_reason, finished)
-            self.load.stream_closed(inflight_at)
+            self.load.stream_closed(inflight_at, params.lora)
             if not finished:
                 stream.cancel()
             if fetch_task is not None and not fetch_task.done():

@@ -7,7 +7,10 @@ Two sources, merged here and nowhere else:
   (`MatchResult.worker.load`);
 - what this router has put there and not yet seen finish: prompt tokens sent to each
   prefill worker (`prefill_tokens`) or to be prefilled on a decode worker
-  (`local_tokens`), and the streams open on each decode worker (`decode_streams`).
+  (`local_tokens`), and the streams open on each decode worker (`decode_streams`), with
+  their LoRA adapters (`lora_streams`: a worker running a stream of an adapter holds it,
+  whatever its last heartbeat said, and still does for `RECENT_S` after the stream ends,
+  until a heartbeat has had time to say so).
 
 The gauges lag by up to a heartbeat and the router's own counts miss other routers'
 requests, so each reading is the larger of the two. Placement (`router/placement.py`)
@@ -17,10 +20,14 @@ prefills is a rate, not load: `router/disagg.py`'s `RateBook` measures it.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 from pdserve.cluster.prefix_index import MatchResult
+from pdserve.common.hashing import LORA_GAUGE_PREFIX
 from pdserve.router.placement import decode_running, queued_tokens
+
+RECENT_S = 3.0  # a few heartbeats (heartbeat_s 1 s by default)
 
 
 class Hold:
@@ -46,6 +53,8 @@ class LoadBook:
         self.prefill_tokens: Counter[str] = Counter()
         self.local_tokens: Counter[str] = Counter()
         self.decode_streams: Counter[str] = Counter()
+        self.lora_streams: Counter[tuple[str, str]] = Counter()  # (worker, adapter)
+        self._lora_closed: dict[tuple[str, str], float] = {}  # when its last stream ended
 
     def prefill_queue(self, m: MatchResult) -> int:
         """Prompt tokens ahead of a new one on a prefill worker."""
@@ -59,13 +68,35 @@ class LoadBook:
         """Sequences on a decode worker."""
         return decode_running(m, self.decode_streams)
 
-    def stream_opened(self, worker_id: str | None) -> None:
+    def holds_lora(self, m: MatchResult, lora: str) -> bool:
+        """Whether the worker has adapter `lora` resident: its heartbeat says so, or this
+        router has a stream of it there."""
+        key = (m.worker.worker_id, lora)
+        if m.worker.load.get(LORA_GAUGE_PREFIX + lora, 0) > 0 or self.lora_streams[key] > 0:
+            return True
+        closed = self._lora_closed.get(key)
+        return closed is not None and time.monotonic() - closed < RECENT_S
+
+    def stream_opened(self, worker_id: str | None, lora: str | None = None) -> None:
         if worker_id is not None:
             self.decode_streams[worker_id] += 1
+            if lora is not None:
+                self.lora_streams[(worker_id, lora)] += 1
 
-    def stream_closed(self, worker_id: str | None) -> None:
+    def stream_closed(self, worker_id: str | None, lora: str | None = None) -> None:
         if worker_id is not None:
             _take(self.decode_streams, worker_id, 1)
+            if lora is not None:
+                key = (worker_id, lora)
+                self.lora_streams[key] -= 1
+                if self.lora_streams[key] <= 0:
+                    del self.lora_streams[key]
+                    now = time.monotonic()
+                    self._lora_closed[key] = now
+                    if len(self._lora_closed) > 4 * len(self.lora_streams) + 64:
+                        self._lora_closed = {
+                            k: t for k, t in self._lora_closed.items() if now - t < RECENT_S
+                        }
 
 
 def _take(counter: Counter[str], worker_id: str, amount: int) -> None:

@@ -7,8 +7,12 @@ yet: `router/load.py`, the one place that reads a worker's load).
 Output: the cheapest worker of each pool; ties are broken at random. A prefill worker's
 cost is the time it would take to finish this prompt, its queue included, at its
 measured rate (`router/disagg.py`): the one that finishes soonest is chosen, so a slow
-or backed-up worker gets less. `round-robin` and `random` ignore prefix and load, for
-the benchmarks that measure what prefix-aware placement buys. Plain Python.
+or backed-up worker gets less. A request of a LoRA adapter costs more on a worker that
+does not hold the adapter resident (`PlacementWeights.lora_load`): it goes where its
+adapter is unless that worker is busier by more than a load is worth, and an adapter no
+worker holds goes to one with a free adapter slot (its `lora_slots_free` gauge), the
+least loaded. `round-robin` and `random` ignore prefix, load and adapters, for the
+benchmarks that measure what prefix-aware placement buys. Plain Python.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from dataclasses import dataclass
 
 from pdserve.cluster.config import Placement, PlacementWeights
 from pdserve.cluster.prefix_index import MatchResult
+
+HoldsLoRA = Callable[[MatchResult], bool]
+"""Whether a worker holds a request's LoRA adapter resident (`LoadBook.holds_lora`)."""
 
 
 @dataclass(frozen=True)
@@ -60,20 +67,24 @@ class Placer:
         prompt_len: int,
         inflight_tokens: Mapping[str, int],
         rates: Mapping[str, float | None] | None = None,
+        holds_lora: HoldsLoRA | None = None,
     ) -> Choice | None:
         """The prefill worker that would finish this prompt soonest.
 
         inflight_tokens: prompt tokens this router sent to each worker, not yet done.
         rates: each worker's prefill tokens per second (None or absent: not measured;
         then the cost is in tokens, as if all were equally fast).
+        holds_lora: for a request of a LoRA adapter, whether a worker holds it resident.
         Returns None when no prefill worker is live.
         """
         rates = rates or {}
+        load_tokens = self.weights.lora_load_tokens
 
         def cost(m: MatchResult) -> float:
             tokens = self.uncached_tokens(m, prompt_len) + queued_tokens(m, inflight_tokens)
+            work = tokens + load_tokens * lora_loads(m, holds_lora)
             rate = rates.get(m.worker.worker_id)
-            return tokens / rate if rate else float(tokens)
+            return work / rate if rate else work
 
         return self._pick("prefill", list(matches.values()), cost)
 
@@ -85,10 +96,12 @@ class Placer:
         self,
         matches: Mapping[str, MatchResult],
         inflight_requests: Mapping[str, int],
+        holds_lora: HoldsLoRA | None = None,
     ) -> Choice | None:
         """The decode worker with the lowest weighted load minus its cached prefix.
 
         inflight_requests: requests this router has streaming from each worker.
+        holds_lora: for a request of a LoRA adapter, whether a worker holds it resident.
         Returns None when no decode worker is live.
         """
         w = self.weights
@@ -98,7 +111,12 @@ class Placer:
             running = decode_running(m, inflight_requests)
             total = max(load.get("kv_blocks_total", 0), 1)
             usage_pct = 100.0 * load.get("kv_blocks_used", 0) / total
-            return w.running * running + w.kv_usage * usage_pct - w.hit * m.matched_blocks
+            return (
+                w.running * running
+                + w.kv_usage * usage_pct
+                - w.hit * m.matched_blocks
+                + w.lora_load * lora_loads(m, holds_lora)
+            )
 
         return self._pick("decode", list(matches.values()), cost)
 
@@ -117,6 +135,15 @@ class Placer:
             lowest = min(costs)
             best = self.rng.choice([m for m, c in zip(ordered, costs, strict=True) if c == lowest])
         return Choice(best.worker.worker_id, best.worker.address, best.matched_blocks)
+
+
+def lora_loads(m: MatchResult, holds_lora: HoldsLoRA | None) -> int:
+    """What placing a LoRA request on the worker costs in adapter loads: 0 where it holds
+    the adapter (or the request has none), 1 where a slot is free for it, 2 where every
+    slot serves running requests (the load must wait for one to finish)."""
+    if holds_lora is None or holds_lora(m):
+        return 0
+    return 1 if m.worker.load.get("lora_slots_free", 1) > 0 else 2
 
 
 def queued_tokens(m: MatchResult, inflight_tokens: Mapping[str, int]) -> int:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
+from pdserve.router import load as load_module
 from pdserve.router.load import Hold, LoadBook
 
 
@@ -42,3 +45,19 @@ def test_a_hold_is_given_back_once() -> None:
     assert counter == Counter({"p": 10})
     Hold(counter, "q", 7).release()
     assert "q" not in counter
+
+
+def test_a_worker_holds_an_adapter_by_its_heartbeat_its_streams_or_a_stream_just_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(load_module.time, "monotonic", lambda: now[0])
+    book = LoadBook()
+    d = match("d", "decode", **{"lora:x": 1, "lora:y": 0})
+    assert book.holds_lora(d, "x") and not book.holds_lora(d, "y")
+    book.stream_opened("d", "y")  # the heartbeat has not seen it yet
+    assert book.holds_lora(d, "y") and not book.holds_lora(match("e", "decode"), "y")
+    book.stream_closed("d", "y")
+    assert not book.lora_streams and book.holds_lora(d, "y")  # until a heartbeat says
+    now[0] += load_module.RECENT_S
+    assert not book.holds_lora(d, "y")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from pdserve.cluster.config import Placement, PlacementWeights
 from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
@@ -23,8 +24,13 @@ def placer(policy: Placement = "prefix-aware", seed: int = 0) -> Placer:
     return Placer(policy, PlacementWeights(), BLOCK, random.Random(seed))
 
 
-def decode_id(p: Placer, matches: dict[str, MatchResult], inflight: dict[str, int]) -> str:
-    choice = p.choose_decode(matches, inflight)
+def decode_id(
+    p: Placer,
+    matches: dict[str, MatchResult],
+    inflight: dict[str, int],
+    holds: Callable[[MatchResult], bool] | None = None,
+) -> str:
+    choice = p.choose_decode(matches, inflight, holds)
     assert choice is not None
     return choice.worker_id
 
@@ -96,3 +102,43 @@ def test_round_robin_and_random_ignore_prefix_and_load() -> None:
 def test_an_empty_pool_gives_no_choice() -> None:
     assert placer().choose_prefill({}, 10, {}) is None
     assert placer().choose_decode({}, {}) is None
+
+
+def _holds(*pairs: tuple[str, str]) -> Callable[[str], Callable[[MatchResult], bool]]:
+    """`holds_lora` for a request of adapter `lora`: the (worker, adapter) pairs held."""
+    return lambda lora: lambda m: (m.worker.worker_id, lora) in pairs
+
+
+def test_a_lora_request_goes_to_the_worker_holding_its_adapter_unless_it_is_much_busier() -> None:
+    holds = _holds(("b", "x"))
+    p = pool(match("a", "decode", 0, running=2), match("b", "decode", 0, running=6))
+    assert decode_id(placer(), p, {}, holds("x")) == "b"
+    # without the adapter the least loaded wins; a base request ignores adapters
+    assert decode_id(placer(), p, {}, holds("y")) == "a"
+    assert decode_id(placer(), p, {}) == "a"
+    # busier by more than a load is worth (PlacementWeights.lora_load running requests)
+    p = pool(match("a", "decode", 0, running=2), match("b", "decode", 0, running=11))
+    assert decode_id(placer(), p, {}, holds("x")) == "a"
+    # weight 0: adapters do not count (the benchmark's adapter-blind placement)
+    blind = Placer("prefix-aware", PlacementWeights(lora_load=0), BLOCK, random.Random(0))
+    p = pool(match("a", "decode", 0, running=2), match("b", "decode", 0, running=6))
+    assert decode_id(blind, p, {}, holds("x")) == "a"
+
+
+def test_an_adapter_no_worker_holds_goes_where_a_slot_is_free() -> None:
+    """Every slot of the idler worker serves running requests: its load would wait."""
+    p = pool(
+        match("a", "decode", 0, running=1, lora_slots_free=0),
+        match("b", "decode", 0, running=4, lora_slots_free=2),
+    )
+    assert decode_id(placer(), p, {}, _holds()("x")) == "b"
+
+
+def test_a_prefill_worker_holding_the_adapter_is_preferred_by_its_load_in_tokens() -> None:
+    holds = _holds(("b", "x"))
+    p = pool(match("a", "prefill", 0), match("b", "prefill", 0, queued_prefill_tokens=300))
+    choice = placer().choose_prefill(p, 200, {}, None, holds("x"))
+    assert choice is not None and choice.worker_id == "b"  # 300 queued < 512 for a load
+    p = pool(match("a", "prefill", 0), match("b", "prefill", 0, queued_prefill_tokens=900))
+    choice = placer().choose_prefill(p, 200, {}, None, holds("x"))
+    assert choice is not None and choice.worker_id == "a"
