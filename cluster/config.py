@@ -44,6 +44,7 @@ from pdserve.cluster.settings import (  # re-exported: the configuration's own n
     ModelSpec,
     Placement,
     PlacementWeights,
+    PlannerSettings,
     PoolAutoscaling,
     RouterIndex,
     ToolCallParserName,
@@ -317,6 +318,27 @@ class ClusterConfig(BaseModel):
         description=(
             "autoscale the decode pool on running sequences and KV use: JSON of PoolAutoscaling"
         ),
+    )
+    # Latency targets: set, the planner sizes both pools to meet them (router/planner.py)
+    # through the external scaler, instead of the per-pool autoscaling above.
+    slo_ttft_ms: float | None = Field(
+        default=None,
+        gt=0,
+        description="the time-to-first-token target: with it (or slo_itl_ms) the planner"
+        " sizes both pools to meet the targets at slo_percentile (docs/planner.md)",
+    )
+    slo_itl_ms: float | None = Field(
+        default=None, gt=0, description="the inter-token latency target (see slo_ttft_ms)"
+    )
+    slo_percentile: float = Field(
+        default=90.0,
+        gt=0,
+        lt=100,
+        description="the percentile of requests (TTFT) and of tokens (ITL) the targets hold",
+    )
+    planner: PlannerSettings = Field(
+        default_factory=PlannerSettings,
+        description="the planner's bounds, budget and pacing, as JSON (router/planner.py)",
     )
     replica_num_cpus: float = Field(
         default=1.0,
@@ -593,6 +615,37 @@ class ClusterConfig(BaseModel):
         ),
     )
 
+    # A scale-down: Serve stops routing to the replica and waits for its requests; the
+    # router sees it leave and tells it to drain (cluster/drain.py).
+    drain_deadline_s: float = Field(
+        default=20.0,
+        gt=0,
+        le=3600,
+        description=(
+            "a worker replica leaving its pool (a scale-down) leaves the index at once and"
+            " lets its streams run this long; those still running then move to another"
+            " decode worker, with exact tokens (as a resumed stream)"
+        ),
+    )
+    external_scaler: bool = Field(
+        default=False,
+        description=(
+            "let a scaler outside Serve set the pools' replica counts (Serve's external"
+            " scaling API, e.g. its REST endpoint); the pools then keep no Serve"
+            " autoscaling"
+        ),
+    )
+
+    @property
+    def planner_enabled(self) -> bool:
+        """SLO targets are set: the planner sizes the pools (router/planner_loop.py)."""
+        return self.slo_ttft_ms is not None or self.slo_itl_ms is not None
+
+    @property
+    def scaled_externally(self) -> bool:
+        """The pools' counts come from outside Serve: `external_scaler`, or the planner."""
+        return self.external_scaler or self.planner_enabled
+
     @field_validator("speculative")
     @classmethod
     def _check_speculative(cls, value: str | None) -> str | None:
@@ -620,6 +673,18 @@ class ClusterConfig(BaseModel):
             )
         if self.heartbeat_s >= self.worker_lease_s:
             raise ValueError("heartbeat_s must be shorter than worker_lease_s")
+        if self.planner_enabled and (self.prefill_autoscaling or self.decode_autoscaling):
+            raise ConfigError(
+                "slo_ttft_ms",
+                "the planner sizes both pools to the SLO targets: drop prefill_autoscaling"
+                " and decode_autoscaling",
+            )
+        if self.external_scaler and (self.prefill_autoscaling or self.decode_autoscaling):
+            raise ConfigError(
+                "external_scaler",
+                "an external scaler sets the pools' replica counts: drop prefill_autoscaling"
+                " and decode_autoscaling (Serve refuses both at once)",
+            )
         if self.kv_tls is not None and self.transport != "grpc":
             raise ConfigError(
                 "kv_tls",
@@ -948,6 +1013,7 @@ class ClusterConfig(BaseModel):
             max_lora_rank=self.max_lora_rank,
             max_loras=self.max_loras,
             tpot_target_ms=self.tpot_target_ms,
+            measure_step_cost=self.planner_enabled,
             prefill_wait_limit_ms=self.prefill_wait_limit_ms,
             seed=self.seed,
             **parallel,
@@ -1016,6 +1082,7 @@ __all__ = [
     "ModelSpec",
     "Placement",
     "PlacementWeights",
+    "PlannerSettings",
     "PoolAutoscaling",
     "RouterIndex",
     "ToolCallParserName",

@@ -124,6 +124,9 @@ class ErrorItem(TypedDict):
     type: Literal["error"]
     message: str
     invalid: NotRequired[bool]
+    # the replica is leaving its pool and its drain deadline passed (cluster/drain.py):
+    # the router resumes the request elsewhere, as after a failure, and counts it
+    migrate: NotRequired[bool]
 
 
 class LoRAReply(TypedDict):

@@ -146,6 +146,34 @@ class PoolAutoscaling(BaseModel):
         return self
 
 
+class PlannerSettings(BaseModel):
+    """How the planner sizes the pools once SLO targets are set (router/planner.py).
+
+    Each pool between its `*_min` and `*_max` replicas, both together within `budget`
+    (None: no budget). Every `interval_s` the leading router plans for the request rate
+    forecast `horizon_s` ahead, meeting the targets within `headroom` of them; a pool
+    shrinks only once `hold_s` of plans all wanted it smaller.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill_min: int = Field(default=1, ge=1)
+    prefill_max: int = Field(default=4, ge=1)
+    decode_min: int = Field(default=1, ge=1)
+    decode_max: int = Field(default=4, ge=1)
+    budget: int | None = Field(default=None, ge=1)
+    interval_s: float = Field(default=5.0, gt=0)
+    headroom: float = Field(default=0.8, gt=0, le=1)
+    hold_s: float = Field(default=60.0, ge=0)
+    horizon_s: float = Field(default=30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> PlannerSettings:
+        if self.prefill_max < self.prefill_min or self.decode_max < self.decode_min:
+            raise ValueError("each pool's max must be >= its min")
+        return self
+
+
 class APIKeyDefaults(BaseModel):
     """What a request made with one API key gets unless it says otherwise.
 

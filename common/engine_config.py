@@ -135,6 +135,13 @@ class EngineConfig(BaseModel):
         " tokens from the measured step cost (needs chunked prefill); None: the token budget"
         " alone.",
     )
+    measure_step_cost: bool = Field(
+        default=False,
+        description="Fit the step cost model (engine/sched/step_cost.py) even without"
+        " tpot_target_ms, and publish its coefficients with the load gauges (step_*): the"
+        " planner's performance model of this worker. On CUDA a step that samples nothing"
+        " then syncs to be timed.",
+    )
     prefill_wait_limit_ms: float | None = Field(
         default=None,
         gt=0,

@@ -87,6 +87,9 @@ class Channels:
             self._open.pop(channel_id, None)
             channel.close()  # its requests' engine streams end and free their blocks
 
+    def open_channels(self) -> list[Channel]:
+        return list(self._open.values())
+
     @property
     def num_requests(self) -> int:
         return sum(len(c.tasks) for c in self._open.values())

@@ -112,6 +112,7 @@ class DecodeServer(WorkerReplica):
         self._awaiting_kv: dict[str, str | None] = {}
         self._log = OncePerCause(logger)
         self.channels = Channels()
+        self._migrating: set[str] = set()  # requests moved elsewhere by a drain
         self.tracer = tracing.tracer("decode")  # None unless OTEL_* variables ask for it
         await self.load_lora_modules()
         self.address = await self.worker.start(start_ranks)
@@ -201,7 +202,10 @@ class DecodeServer(WorkerReplica):
             ):
                 channel.put(request_id, item)
         except asyncio.CancelledError:
-            pass  # aborted (by the router, or its channel closed): the engine stream ended
+            # aborted (by the router, or its channel closed): the engine stream ended; or
+            # moved by this replica's drain: the router resumes it elsewhere
+            if request_id in self._migrating:
+                channel.put(request_id, _migrate_item(self.worker_id))
         except Exception as exc:  # reaches the router, which resumes it elsewhere...
             error: ErrorItem = {"type": "error", "message": f"{type(exc).__name__}: {exc}"}
             if isinstance(exc, InvalidRequestError) and not isinstance(exc, KVImportError):
@@ -213,8 +217,24 @@ class DecodeServer(WorkerReplica):
                 logger.exception("%s: serving the request failed", request_id)
             channel.put(request_id, error)
         finally:
+            self._migrating.discard(request_id)
             self._release(request_id, kv_expected, fetch_blocks > 0)
             channel.tasks.pop(request_id, None)
+
+    def begin_drain(self, deadline: float) -> None:
+        """Leaving the pool (cluster/drain.py): at `deadline` the requests still running
+        on the channels move to other decode workers (a `migrate` error item each)."""
+        super().begin_drain(deadline)
+        loop = asyncio.get_running_loop()
+        loop.call_later(max(deadline - time.time(), 0.0), self._migrate)
+
+    def _migrate(self) -> None:
+        tasks = {rid: t for c in self.channels.open_channels() for rid, t in c.tasks.items()}
+        if tasks:
+            logger.info("%s: drain deadline: moving %d requests", self.worker_id, len(tasks))
+        for request_id, task in tasks.items():
+            self._migrating.add(request_id)
+            task.cancel()
 
     async def generate(
         self,
@@ -486,6 +506,11 @@ class DecodeServer(WorkerReplica):
             logger.exception("closing the KV receiver failed")
         await self.shutdown()
         tracing.flush()
+
+
+def _migrate_item(worker_id: str) -> ErrorItem:
+    message = f"decode worker {worker_id} left its pool (drain deadline passed)"
+    return {"type": "error", "message": message, "migrate": True}
 
 
 def _output_item(out: RequestOutput) -> OutputItem:

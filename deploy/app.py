@@ -69,10 +69,11 @@ POOL_DRAIN_S = 30.0
 
 def pool_shutdown_timeout_s(cfg: ClusterConfig) -> float:
     """Serve's wait for a stopping worker replica: a scale-down lets its streams finish
-    (POOL_DRAIN_S); when the cluster stops, its channels end as the routers' streams do
-    (their grace, then the error events), and it then leaves the index and stops its
-    engine (runtime/replica.py `shutdown`)."""
-    return max(POOL_DRAIN_S, cfg.shutdown_grace_s + 10.0)
+    (POOL_DRAIN_S), or moves them elsewhere past `drain_deadline_s` (cluster/drain.py);
+    when the cluster stops, its channels end as the routers' streams do (their grace,
+    then the error events), and it then leaves the index and stops its engine
+    (runtime/replica.py `shutdown`)."""
+    return max(POOL_DRAIN_S, cfg.shutdown_grace_s + 10.0, cfg.drain_deadline_s + 10.0)
 
 
 def _replicas(role: str, initial: int, scaling: PoolAutoscaling | None) -> dict[str, Any]:
@@ -248,6 +249,7 @@ def deploy_config(config: ClusterConfig, host: str, port: int) -> dict[str, Any]
                 "import_path": MODEL_IMPORT_PATH,
                 "args": single.model_dump(mode="json"),
                 "logging_config": logging,
+                "external_scaler_enabled": single.scaled_externally,
             }
         )
     return {"http_options": {"host": host, "port": port}, "applications": apps}

@@ -243,8 +243,6 @@ def _model_spec(value: str | None, resolve: Any) -> dict[str, Any]:
 
 def _deploy(args: argparse.Namespace) -> int:
     """Apply a Serve config to a running cluster, or print the one it runs."""
-    import logging
-
     import ray
     import yaml
 
@@ -254,6 +252,47 @@ def _deploy(args: argparse.Namespace) -> int:
     if args.config is not None:
         config = yaml.safe_load(Path(args.config).read_text())
         declarative.validate(config)  # before joining: a bad config fails at once
+    join_cluster(args.address)
+    try:
+        if config is None:
+            print(yaml.safe_dump(declarative.current(), sort_keys=False), end="")
+            return 0
+        names = declarative.apply(config)
+        print(f"pdserve: applied {args.config} ({', '.join(names)})", file=sys.stderr)
+        return 0
+    finally:
+        ray.shutdown()
+
+
+def _scale(args: argparse.Namespace) -> int:
+    """Set a pool's replica count (the external scaler: `external_scaler`, or the planner)."""
+    import ray
+
+    from pdserve.cluster.settings import model_app_name
+    from pdserve.deploy.app import APP_NAME
+    from pdserve.router.models import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT
+    from pdserve.router.scaler import set_replicas
+
+    app = APP_NAME if args.model is None else model_app_name(args.model)
+    deployment = PREFILL_DEPLOYMENT if args.pool == "prefill" else DECODE_DEPLOYMENT
+    join_cluster(args.address)
+    try:
+        set_replicas(app, deployment, args.replicas)
+    except Exception as exc:  # Serve's own errors say what is wrong (no such app, ...)
+        print(f"pdserve scale: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    print(f"pdserve: {args.pool} pool of {app} set to {args.replicas} replicas", file=sys.stderr)
+    return 0
+
+
+def join_cluster(address: str) -> None:
+    """Join the Ray cluster at `address` as a quiet driver."""
+    import logging
+
+    import ray
+
     # Ray turns token authentication on for a local cluster it finds itself (address
     # "auto"), never for an address it is given: do as it does for the former, so that
     # the cluster `pdserve up` started here (token in Ray's default place) answers.
@@ -265,20 +304,11 @@ def _deploy(args: argparse.Namespace) -> int:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     # no worker logs here: stdout may be the printed config
     ray.init(
-        address=args.address,
+        address=address,
         include_dashboard=False,
         logging_level=logging.WARNING,
         log_to_driver=False,
     )
-    try:
-        if config is None:
-            print(yaml.safe_dump(declarative.current(), sort_keys=False), end="")
-            return 0
-        names = declarative.apply(config)
-        print(f"pdserve: applied {args.config} ({', '.join(names)})", file=sys.stderr)
-        return 0
-    finally:
-        ray.shutdown()
 
 
 def _absolute_draft(spec: str | None) -> str | None:
@@ -431,6 +461,19 @@ def build_parser(config_model: type[BaseModel] | None = None) -> argparse.Argume
         "--address", required=True, help="the Ray cluster (`pdserve up` prints its address)"
     )
     deploy.set_defaults(func=_deploy)
+
+    scale = sub.add_parser(
+        "scale",
+        help="set a pool's replica count on a running cluster served with --external-scaler"
+        " (or the planner): a scale-down drains the replicas it stops",
+    )
+    scale.add_argument("pool", choices=["prefill", "decode"])
+    scale.add_argument("replicas", type=int)
+    scale.add_argument(
+        "--address", required=True, help="the Ray cluster (`pdserve up` prints its address)"
+    )
+    scale.add_argument("--model", default=None, help="the model, when the cluster serves several")
+    scale.set_defaults(func=_scale)
 
     demo = sub.add_parser(
         "demo-model",

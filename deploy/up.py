@@ -258,6 +258,7 @@ def run_up(
                 name=APP_NAME,
                 route_prefix="/",
                 logging_config=LoggingConfig(log_level="WARNING", enable_access_log=False),
+                external_scaler_enabled=config.scaled_externally,
             )
             apps = [APP_NAME]
         url = f"http://{host}:{port}"

@@ -353,9 +353,13 @@ class LLMEngine:
         config = self.config
         spec = config.speculative_config
         target_ms = config.tpot_target_ms
-        # Measured only with a target or adaptive speculation: on CUDA the measurement
-        # may cost a sync (see step).
-        measured = target_ms is not None or (spec is not None and spec.adaptive)
+        # Measured only with a target, adaptive speculation or for the planner: on CUDA
+        # the measurement may cost a sync (see step).
+        measured = (
+            target_ms is not None
+            or (spec is not None and spec.adaptive)
+            or config.measure_step_cost
+        )
         self.step_cost = StepCostModel() if measured else None
         scheduler = Scheduler(
             self.kv_manager,
@@ -920,6 +924,22 @@ class LLMEngine:
             else:
                 self.runner.loras[name] = self.loras[name].to(self.device)
 
+    def _step_cost_gauges(self) -> dict[str, int]:
+        """The fitted step cost (engine/sched/step_cost.py: a, b, c, d) once there is a
+        fit, in integer units: the planner's model of this worker (router/planner.py)."""
+        coef = self.step_cost.decode_coefficients if self.step_cost is not None else None
+        if coef is None:
+            return {}
+        full = self.step_cost.coefficients if self.step_cost is not None else None
+        a, b, c = coef[0], coef[1], coef[2]
+        return {
+            "step_fixed_us": round(a * 1e6),
+            "step_row_us": round(b * 1e6),
+            "step_context_ps": round(c * 1e12),
+            # per prefill token: only from a fit that saw prefills (0: not yet)
+            "step_prefill_token_ns": round(full[3] * 1e9) if full is not None else 0,
+        }
+
     def _lora_gauges(self) -> dict[str, int]:
         """How many adapters are loaded and resident, the loads and evictions so far, the
         slots free now, and per adapter `lora:NAME` 1 while resident, 0 while only in
@@ -980,6 +1000,7 @@ class LLMEngine:
             "kv_kernel_blocks_packed": self.kv_staging.kernel_blocks_packed,
             "kv_kernel_blocks_unpacked": self.kv_staging.kernel_blocks_unpacked,
             **self._lora_gauges(),
+            **self._step_cost_gauges(),
             **self._host_tier_gauges(),
             **self._parallel_gauges(),
             **(sched.spec_stats.gauges() if sched.proposer is not None else {}),

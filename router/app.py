@@ -35,18 +35,26 @@ from ray import serve
 from redis.exceptions import RedisError
 
 from pdserve.cluster import stop_notice, tracing
-from pdserve.cluster.config import APIKeyDefaults, ClusterConfig
+from pdserve.cluster.config import APIKeyDefaults, ClusterConfig, model_app_name
 from pdserve.cluster.messages import ClientItem
 from pdserve.cluster.prefix_index import WorkerInfo
 from pdserve.cluster.scheduling import SchedulingWatch, cluster_asks, read_cluster
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.router import departures
 from pdserve.router.adapters import Adapters
 from pdserve.router.core import Overloaded, RouterCore, ShuttingDown, UpstreamError
 from pdserve.router.draining import Drain, serve_app_status
 from pdserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdserve.router.model_routing import RULE_HEADER, ModelRouter, Picked, RouteFacts
-from pdserve.router.models import ServedModel, served_models
+from pdserve.router.models import (
+    DECODE_DEPLOYMENT,
+    PREFILL_DEPLOYMENT,
+    ServedModel,
+    served_models,
+)
+from pdserve.router.planner_loop import PlannerLoop
+from pdserve.router.planner_loop import read_state as read_planner_state
 from pdserve.router.prefix_cache import with_default_salt
 from pdserve.router.priority import inflight_limit
 from pdserve.router.protocol import (
@@ -62,6 +70,7 @@ from pdserve.router.protocol import (
 )
 from pdserve.router.result_cache import HEADER as RESULT_CACHE_HEADER
 from pdserve.router.result_cache import CachePlan, ResultCache
+from pdserve.router.scaler import set_replicas_async
 from pdserve.router.tool_calls import (
     ToolCall,
     ToolCallDelta,
@@ -329,8 +338,50 @@ class Router:
             notices=lambda on_notice: stop_notice.listen(self.redis, cfg.cluster_token, on_notice),
         )
         self._background: set[asyncio.Task[None]] = set()
+        self._departures: asyncio.Task[None] | None = None  # router/departures.py
+        self._planners: list[asyncio.Task[None]] = []  # router/planner_loop.py
         with contextlib.suppress(RuntimeError):  # no loop yet: started by the first call
-            self.drain.watch()
+            self._watch()
+
+    def _watch(self) -> None:
+        """Start what watches the cluster (once there is a loop): the stop, and workers
+        leaving their pools."""
+        self.drain.watch()
+        loop = asyncio.get_running_loop()
+        if self._departures is None or self._departures.done():
+            single = not self.config.models
+            self._departures = loop.create_task(departures.run(lambda: self.by_model, single))
+        if not self._planners:
+            self._planners = [
+                loop.create_task(self._planner(served).run())
+                for served in self.by_model.values()
+                if served.config.planner_enabled
+            ]
+
+    def _planner(self, served: ServedModel) -> PlannerLoop:
+        """The model's planner (router/planner_loop.py): every router runs one, the one
+        holding its lease decides."""
+        single = not self.config.models
+        try:
+            context = serve.get_replica_context()
+            router_id, app = context.replica_id.unique_id, context.app_name
+        except Exception:  # not a Serve replica (unit tests): never scales
+            router_id, app = f"router-{uuid.uuid4().hex[:8]}", ""
+        app = app if single else model_app_name(served.model_id)
+        deployments = {"prefill": PREFILL_DEPLOYMENT, "decode": DECODE_DEPLOYMENT}
+
+        async def scale(pool: str, n: int) -> None:
+            await set_replicas_async(app, deployments[pool], n)
+
+        return PlannerLoop(
+            served.config,
+            served.core.traffic,
+            self.redis,
+            router_id,
+            served.core.live_workers,
+            scale,
+            served.core.metrics,
+        )
 
     async def _app_status(self) -> str | None:
         try:
@@ -396,6 +447,9 @@ class Router:
         the decode replicas' own stop waits for, stop following the prefix index's
         events, and export the spans still batched."""
         self.drain.close()
+        for task in [self._departures, *self._planners]:
+            if task is not None:
+                task.cancel()
         for served in self.by_model.values():
             served.stop_index()
         tracing.flush()
@@ -404,7 +458,7 @@ class Router:
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        self.drain.watch()
+        self._watch()
         if self.drain.draining:
             return JSONResponse({"status": "stopping"}, status_code=503)
         return await self._health()
@@ -478,7 +532,15 @@ class Router:
             states += [
                 {**state, "model": model_id} for state in await served.core.worker_states(workers)
             ]
-        return JSONResponse({"workers": states})
+        body: dict[str, Any] = {"workers": states}
+        planners = {}
+        for model_id, served in self.by_model.items():
+            if served.config.planner_enabled:
+                with contextlib.suppress(RedisError, OSError):
+                    planners[model_id] = await read_planner_state(self.redis, model_id)
+        if planners:  # the planner's last decision per model (docs/planner.md)
+            body["planner"] = planners
+        return JSONResponse(body)
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -559,7 +621,7 @@ class Router:
         self, kind: str, request: Request, arrival: float, span: Span | None
     ) -> Response:
         endpoint = "completions" if kind == "completion" else "chat"
-        self.drain.watch()
+        self._watch()
         if self.drain.draining:
             self._unrouted.requests.labels(endpoint, "503").inc()
             return _error(_shutting_down(_STOPPING))
@@ -978,6 +1040,7 @@ class Router:
         r.served.core.metrics.e2e.observe(time.monotonic() - r.arrival_s)
         if not _hit(r):  # a result cache hit generated nothing
             r.served.core.metrics.generation_tokens.inc(num_tokens)
+            r.served.core.traffic.output_tokens += num_tokens
             if r.params.lora is not None:
                 r.served.core.metrics.lora_tokens.labels(r.params.lora).inc(num_tokens)
         if r.span is not None:

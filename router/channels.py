@@ -45,6 +45,11 @@ class ChannelError(RuntimeError):
     """The channel broke, or the decode replica failed the request on it."""
 
 
+class Migrated(ChannelError):
+    """The decode replica left its pool and moved the request (a `migrate` error item,
+    cluster/drain.py): it resumes elsewhere."""
+
+
 class RequestRefused(ChannelError):
     """The decode replica's engine refused the request itself (an `invalid` error item)."""
 
@@ -320,6 +325,8 @@ class ChannelStream:
         if item.get("type") == "error":
             if item.get("invalid"):
                 raise RequestRefused(str(item.get("message")))
+            if item.get("migrate"):
+                raise Migrated(str(item.get("message")))
             raise ChannelError(f"the decode worker failed the request: {item.get('message')}")
         if item.get("finished"):
             self._finished = True

@@ -69,14 +69,16 @@ from pdserve.common.hashing import (
 )
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import TransferError
-from pdserve.router.channels import ChannelStream, DecodeChannels, RequestRefused
+from pdserve.router.channels import ChannelStream, DecodeChannels, Migrated, RequestRefused
 from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s, past_bound
 from pdserve.router.fetch import Fetch, choose_fetch
 from pdserve.router.load import Hold, LoadBook
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import Choice, Placer
+from pdserve.router.planner_loop import TrafficCounts
 from pdserve.router.prefix_cache import CachedTokens
 from pdserve.router.priority import prefill_queue_bound_s
+from pdserve.router.request_router import DEPARTURES
 from pdserve.router.timeline import RouterTimeline
 
 logger = logging.getLogger(__name__)
@@ -114,9 +116,11 @@ class Refused(UpstreamError):
 
 
 class _DecodeFailed(UpstreamError):
-    """The decode worker serving a stream died or broke it: the request can resume."""
+    """The decode worker serving a stream died or broke it, or moved it as it left its
+    pool (`migrated`): the request can resume."""
 
     worker_id: str | None = None
+    migrated = False
 
 
 class Placed(NamedTuple):
@@ -225,6 +229,7 @@ class RouterCore:
         self.metrics = (metrics or RouterMetrics()).for_model(config.model_id)
         # every worker's load, its heartbeat's and what this router has in flight there
         self.load = LoadBook()
+        self.traffic = TrafficCounts()  # what it served: the planner's input
         # PDSERVE_TIMELINE_DIR: each request's stages, for benchmarks/timeline.py
         self.timeline = RouterTimeline.from_env(config.model_id)
         self.rates = RateBook()
@@ -348,7 +353,8 @@ class RouterCore:
         self.rates.forget_except(getattr(matches, "live", matches))
         by_role: dict[str, dict[str, MatchResult]] = {"prefill": {}, "decode": {}}
         for worker_id, m in matches.items():
-            if worker_id not in exclude:
+            # nor one leaving its pool (router/departures.py), until its entry goes
+            if worker_id not in exclude and worker_id not in DEPARTURES.seen:
                 by_role.setdefault(m.worker.role, {})[worker_id] = m
         holds = None if lora is None else partial(self.load.holds_lora, lora=lora)
         decode = self.placer.choose_decode(by_role["decode"], self.load.decode_streams, holds)
@@ -666,6 +672,8 @@ class RouterCore:
                 if attempt == self.config.max_resumes:
                     raise UpstreamError(f"{exc} (after {attempt} resumes)") from exc
                 self.metrics.resumes.inc()
+                if exc.migrated:
+                    self.metrics.drain_migrations.inc()
                 logger.warning(
                     "%s: %s after %d tokens; resuming on another decode worker",
                     request_id,
@@ -944,6 +952,10 @@ class RouterCore:
             raise _DecodeFailed("the decode worker ended the stream early") from exc
         except RequestRefused as exc:
             raise Refused(str(exc)) from exc
+        except Migrated as exc:
+            failed = _DecodeFailed(str(exc))
+            failed.migrated = True
+            raise failed from exc
         except (asyncio.CancelledError, ShuttingDown):
             raise
         except Exception as exc:  # a dead replica, a failed call: Ray's error types
@@ -1013,6 +1025,7 @@ class RouterCore:
         if self.timeline is not None:
             self.timeline.prefilled(request_id, served, result, push_s)
         m = self.metrics
+        self.traffic.remote_computed += result["num_prompt_tokens"] - result["num_cached_tokens"]
         m.prompt_tokens.labels("prefill").inc(result["num_prompt_tokens"])
         m.hit_tokens.labels("prefill").inc(result["num_cached_tokens"])
         m.transfer_bytes.inc(result["transfer_bytes"])
@@ -1104,6 +1117,11 @@ class RouterCore:
     def _record_first(self, item: OutputItem, arrival_s: float) -> None:
         m = self.metrics
         m.ttft.observe(time.monotonic() - arrival_s)
+        prompt = item.get("num_prompt_tokens", 0)
+        self.traffic.requests += 1
+        self.traffic.prompt_tokens += prompt
+        if not item.get("kv_used"):  # prefilled on the decode worker
+            self.traffic.local_computed += max(prompt - item.get("num_cached_tokens", 0), 0)
         m.prompt_tokens.labels("decode").inc(item.get("num_prompt_tokens", 0))
         m.hit_tokens.labels("decode").inc(item.get("num_cached_tokens", 0))
         m.ttft_stage.labels("decode_queue").observe(item.get("decode_queue_s", 0.0))

@@ -160,6 +160,13 @@ class ModelMetrics:
         self.lora_loads = _Partial(p.lora_loads, model)
         self.fetch_bytes = p.fetch_bytes.labels(model)
         self.resumes = p.resumes.labels(model)
+        self.drain_migrations = p.drain_migrations.labels(model)
+        self.planner_decisions = _Partial(p.planner_decisions, model)
+        self.planner_target = _Partial(p.planner_target, model)
+        self.planner_actual = _Partial(p.planner_actual, model)
+        self.planner_rate = _Partial(p.planner_rate, model)
+        self.planner_predicted = _Partial(p.planner_predicted, model)
+        self.drain_notices = _Partial(p.drain_notices, model)
         self.ttft_stage = _Partial(p.ttft_stage, model)
         self.requests = _Partial(p.requests, model)
         self.prompt_tokens = _Partial(p.prompt_tokens, model)
@@ -327,6 +334,51 @@ class RouterMetrics:
             "pdserve_decode_resumes",
             "Streams resumed on another decode worker after theirs failed",
             ["model"],
+            registry=r,
+        )
+        self.drain_migrations = Counter(
+            "pdserve_drain_migrations",
+            "Streams moved to another decode worker because theirs left its pool and its"
+            " drain deadline passed (also counted in pdserve_decode_resumes)",
+            ["model"],
+            registry=r,
+        )
+        # the planner's decisions (router/planner_loop.py): set by the router that leads
+        self.planner_decisions = Counter(
+            "pdserve_planner_decisions",
+            "Replica counts the planner set, by pool and direction",
+            ["model", "pool", "direction"],
+            registry=r,
+        )
+        self.planner_target = Gauge(
+            "pdserve_planner_target_replicas",
+            "The replica count the planner wants per pool (the leading router's)",
+            ["model", "pool"],
+            registry=r,
+        )
+        self.planner_actual = Gauge(
+            "pdserve_planner_actual_replicas",
+            "Live workers per pool when the planner last decided",
+            ["model", "pool"],
+            registry=r,
+        )
+        self.planner_rate = Gauge(
+            "pdserve_planner_request_rate",
+            "Requests per second the planner observed over its last window, and forecast",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.planner_predicted = Gauge(
+            "pdserve_planner_predicted_seconds",
+            "The planner's prediction at the counts it chose: TTFT and ITL at the SLO"
+            " percentile (-1: the pools cannot keep up)",
+            ["model", "metric"],
+            registry=r,
+        )
+        self.drain_notices = Counter(
+            "pdserve_drain_notices",
+            "Workers this router saw leave their pool (a scale-down) and told to drain",
+            ["model", "role"],
             registry=r,
         )
         self.placements = Counter(

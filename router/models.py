@@ -23,6 +23,7 @@ from typing import Any
 from opentelemetry.trace import Tracer
 
 from pdserve.cluster.config import ClusterConfig, model_app_name
+from pdserve.cluster.drain import DrainNotices
 from pdserve.cluster.index_follower import PLACEMENT_SHORTLIST, IndexFollower
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.common.model_config import load_model_config
@@ -56,9 +57,14 @@ class ServedModel:
         self.vocab_size = load_model_config(Path(config.model)).vocab_size
         self.index = prefix_matcher(config, redis, metrics.for_model(config.model_id))
         self.core = RouterCore(config, prefill, decode, self.index, tracer, metrics)
+        self.drain_notices = DrainNotices(redis, config.model_id)  # router/departures.py
+        self.drain_deadline_s = config.drain_deadline_s
         self.token_text: Callable[[int], str] = lru_cache(maxsize=65536)(self._decode_one)
         # the format tool_choice "auto" parses calls from; None: auto is a 400
         self.tool_format = tool_format(config.tool_call_parser, self.tokenizer.chat_template)
+
+    def count_drain(self, role: str) -> None:
+        self.core.metrics.drain_notices.labels(role).inc()
 
     def stop_index(self) -> None:
         """Stop following the prefix index's events (the replica stops)."""

@@ -10,16 +10,60 @@ length cache, so a call is never stuck on a vanished replica; a call without a t
 decode replica takes KV whichever replica it is, and reports its id and receiver address
 to the router, which counts the override (`pdserve_placement_overrides_total{role}`)
 and has the prefill worker push to that address.
+
+It also notes the replicas that leave the running set (`DEPARTURES`): the router then
+tells each to drain (cluster/drain.py).
 """
 
 from __future__ import annotations
+
+import threading
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 TARGET_KWARG = "target_replica"
 
 
+class Departures:
+    """Replicas that left a deployment's running set, as this process's request routers
+    saw them go (Serve drops a replica it stops from the set at once: a scale-down, or
+    one that died). The router announces each to its worker (cluster/drain.py) and places
+    nothing more on it. Thread-safe: Serve's routers run on their own event loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._new: list[tuple[str, str, str]] = []  # (app, deployment, replica id)
+        self.seen: set[str] = set()  # every replica id seen leaving, for placement
+
+    def note(self, app: str, deployment: str, replica_ids: set[str]) -> None:
+        with self._lock:
+            self._new += [(app, deployment, r) for r in sorted(replica_ids)]
+            self.seen |= replica_ids
+
+    def take(self) -> list[tuple[str, str, str]]:
+        """The departures noted since the last call."""
+        with self._lock:
+            new, self._new = self._new, []
+        return new
+
+
+DEPARTURES = Departures()
+
+
 class TargetedRequestRouter(RequestRouter):
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = {r.unique_id for r in self.curr_replicas}
+        super().update_replicas(replicas)
+        gone = before - {r.replica_id.unique_id for r in replicas}
+        if gone:
+            # NOTE: through the imported module, not this function's globals: Serve
+            # builds the request router from a pickled copy of this class, whose module
+            # globals (DEPARTURES among them) are copies too, made anew each time.
+            from pdserve.router import request_router
+
+            deployment = self._deployment_id
+            request_router.DEPARTURES.note(deployment.app_name, deployment.name, gone)
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
@@ -29,6 +30,7 @@ STOP_GRACE_S = 5.0
 
 LoadFn = Callable[[], Awaitable[dict[str, int]]]
 EventsFn = Callable[[], Awaitable[list[KVEvent]]]
+DrainFn = Callable[[], Awaitable[float | None]]
 
 
 class LastKnownLoad:
@@ -92,6 +94,9 @@ class IndexMember:
         kv_format: The format of this worker's KV blocks (KV cache dtype and block size);
             the index refuses it while a live worker has another (start() raises
             KVFormatMismatchError; a later re-registration logs it and retries each tick).
+        drain_deadline: Read after each heartbeat: the worker's drain deadline once a
+            router announced that it leaves its pool (cluster/drain.py), else None. Then
+            the worker leaves the index for good and `on_drain(deadline)` is called.
     """
 
     def __init__(
@@ -105,8 +110,13 @@ class IndexMember:
         snapshot: EventsFn,
         heartbeat_s: float,
         kv_format: str = "",
+        drain_deadline: DrainFn | None = None,
+        on_drain: Callable[[float], None] | None = None,
     ) -> None:
         self.index = index
+        self._drain_deadline = drain_deadline
+        self._on_drain = on_drain
+        self.draining_since: float | None = None  # set once the drain notice came
         self.kv_format = kv_format
         self.worker_id = worker_id
         self.role = role
@@ -167,12 +177,33 @@ class IndexMember:
                 return
             try:
                 await self._sync()
+                if self._drain_deadline is not None:
+                    deadline = await self._drain_deadline()
+                    if deadline is not None:
+                        await self._leave(deadline)
+                        return
             except (RedisError, OSError) as exc:
                 logger.warning("prefix index unreachable (%s); will retry", exc)
             except KVFormatMismatchError as exc:
                 logger.error("not placed: %s", exc)
 
+    async def _leave(self, deadline: float) -> None:
+        """The drain notice came (cluster/drain.py): leave the index for good (no more
+        heartbeats, its blocks' entries gone), then tell the replica."""
+        self._stopping = True
+        self.draining_since = time.monotonic()
+        async with self._lock:
+            if self.generation is not None:
+                await self.index.deregister(self.worker_id, self.generation)
+                self.generation = None
+        logger.info("%s is leaving its pool: left the prefix index", self.worker_id)
+        if self._on_drain is not None:
+            self._on_drain(deadline)
+
     async def _sync(self, heartbeat: bool = True) -> None:
+        if self.draining_since is not None:  # left for good: never registers again
+            await self._drain_events()
+            return
         # the load is read before taking the lock: a flush must not queue behind it
         load = await self._load() if heartbeat else None
         async with self._lock:

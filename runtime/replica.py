@@ -2,16 +2,20 @@
 
 A replica process runs one `LLMEngine` on its own thread (`AsyncEngine`), registers in
 the prefix index under its Ray Serve replica id, heartbeats its load and publishes its
-KV events. On shutdown (scale-down, `serve.shutdown`, SIGTERM) it leaves the index first,
-so placement stops choosing it, then stops the engine.
+KV events. Leaving its pool (a scale-down) it drains: out of the index at once, its
+requests finishing or, past the drain deadline, moving elsewhere (cluster/drain.py). On
+shutdown (`serve.shutdown`, SIGTERM) it leaves the index first, so placement stops
+choosing it, then stops the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -20,6 +24,7 @@ import redis.asyncio as aioredis
 import torch
 
 from pdserve.cluster.config import ClusterConfig, parse_cpu_set
+from pdserve.cluster.drain import DrainNotices
 from pdserve.cluster.lora_registry import LoRARegistry
 from pdserve.cluster.messages import FetchReport, LoadReport, LoRAReply
 from pdserve.cluster.prefix_index import PrefixIndex
@@ -117,6 +122,8 @@ class WorkerReplica:
             stream_len=self.config.index_events_len(),
         )
         self.member: IndexMember | None = None
+        self.drain_notices = DrainNotices(self.redis, self.config.model_id)
+        self.drain_deadline: float | None = None  # set once it leaves its pool
         self._flush_task: asyncio.Task[None] | None = None
         self._flush_again = False
         self._prefix_sender: KVSender | None = None  # made at this replica's first push
@@ -247,8 +254,22 @@ class WorkerReplica:
             self.engine.kv_snapshot,
             self.config.heartbeat_s,
             kv_format=self.kv_format,
+            drain_deadline=functools.partial(self.drain_notices.deadline, self.worker_id),
+            on_drain=self.begin_drain,
         )
         await self.member.start()
+
+    def begin_drain(self, deadline: float) -> None:
+        """This replica leaves its pool (cluster/drain.py): it left the index; its
+        requests run on until `deadline` (Unix seconds). A decode replica then moves
+        those still running (`DecodeServer.begin_drain`)."""
+        self.drain_deadline = deadline
+        logger.info(
+            "%s %s drains: %.1f s left for its requests",
+            self.role,
+            self.worker_id,
+            deadline - time.time(),
+        )
 
     @property
     def kv_format(self) -> str:

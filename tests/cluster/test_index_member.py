@@ -8,6 +8,7 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
+from pdserve.cluster.drain import DrainNotices
 from pdserve.cluster.prefix_index import KVFormatMismatchError, PrefixIndex, WorkerInfo
 from pdserve.common.hashing import BlockHash, hash_block_chain, hash_namespace
 from pdserve.common.kv_events import KVEvent, KVEventKind
@@ -270,6 +271,43 @@ def test_stop_ends_the_heartbeat_even_when_its_cancel_is_lost(redis_url: str) ->
             assert stopper in done, "stop() is still waiting for the heartbeat task"
             assert lost.is_set() and await matched(index) == -1
         finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_drain_notice_takes_the_worker_out_of_the_index_for_good(redis_url: str) -> None:
+    """A router announced that the worker leaves its pool (cluster/drain.py): at its next
+    heartbeat it deregisters, calls `on_drain` with the deadline once, and neither a
+    heartbeat nor a flush registers it again."""
+
+    async def run() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        index = PrefixIndex(client, MODEL, lease_s=30.0)
+        notices = DrainNotices(client, MODEL)
+        worker = FakeWorker()
+        worker.store(3)
+        drained: asyncio.Queue[float] = asyncio.Queue()
+        m = IndexMember(
+            index, "w1", "decode", "127.0.0.1:9", worker.load, worker.drain,
+            worker.snapshot, 0.05,
+            drain_deadline=lambda: notices.deadline("w1"), on_drain=drained.put_nowait,
+        )  # fmt: skip
+        await m.start()
+        try:
+            assert await matched(index) == 3
+            assert await notices.announce("w1", 20.0)
+            assert not await notices.announce("w1", 1.0)  # the first deadline holds
+            deadline = await asyncio.wait_for(drained.get(), 10)
+            assert deadline == await notices.deadline("w1")
+            assert await matched(index) == -1 and m.generation is None
+            worker.store(2)
+            await m.flush()
+            assert await matched(index) == -1 and m.generation is None
+            assert drained.empty()
+            assert await notices.deadline("w2") is None
+        finally:
+            await m.stop()
             await client.aclose()
 
     asyncio.run(run())
