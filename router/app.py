@@ -1041,6 +1041,7 @@ class Router:
         if not _hit(r):  # a result cache hit generated nothing
             r.served.core.metrics.generation_tokens.inc(num_tokens)
             r.served.core.traffic.output_tokens += num_tokens
+            r.served.core.traffic.completed += 1
             if r.params.lora is not None:
                 r.served.core.metrics.lora_tokens.labels(r.params.lora).inc(num_tokens)
         if r.span is not None:

@@ -820,7 +820,7 @@ class RouterCore:
                         self.timeline.first(request_id, serving, item)
                     if cached is not None:
                         cached.first_item(item, report)
-                    self._record_first(item, arrival_s)
+                    self._record_first(item, arrival_s, decision)
                     if span is not None:
                         ttft = time.monotonic() - arrival_s
                         span.add_event("first_token", {"pdserve.ttft_s": ttft})
@@ -1114,14 +1114,23 @@ class RouterCore:
                 worker_id,
             )
 
-    def _record_first(self, item: OutputItem, arrival_s: float) -> None:
+    def _record_first(
+        self, item: OutputItem, arrival_s: float, decision: Decision | None = None
+    ) -> None:
         m = self.metrics
         m.ttft.observe(time.monotonic() - arrival_s)
         prompt = item.get("num_prompt_tokens", 0)
         self.traffic.requests += 1
         self.traffic.prompt_tokens += prompt
         if not item.get("kv_used"):  # prefilled on the decode worker
-            self.traffic.local_computed += max(prompt - item.get("num_cached_tokens", 0), 0)
+            computed = max(prompt - item.get("num_cached_tokens", 0), 0)
+            # by the policy's choice (a short prompt: colocated, or conditional
+            # disaggregation's), or because the prefill pool was busy or failed: work the
+            # prefill pool was meant for, which the planner must not take for less demand
+            if self.prefill is None or (decision is not None and decision.reason == "short_prompt"):
+                self.traffic.local_computed += computed
+            else:
+                self.traffic.spilled_computed += computed
         m.prompt_tokens.labels("decode").inc(item.get("num_prompt_tokens", 0))
         m.hit_tokens.labels("decode").inc(item.get("num_cached_tokens", 0))
         m.ttft_stage.labels("decode_queue").observe(item.get("decode_queue_s", 0.0))

@@ -270,21 +270,29 @@ def _slack(preds: list[Prediction], n: int, what: str, target: float | None) -> 
     return math.inf if target is None else 1.0 - value / target
 
 
+SMOOTH = 3  # windows averaged for the current rate (one window's count is noisy)
+
+
 def forecast_rate(history: list[tuple[float, float]], horizon_s: float) -> float:
-    """The request rate `horizon_s` ahead: the last rate plus the recent trend (a least
-    squares line through `history`'s (time, rate) points) when it rises; never below the
-    last rate, so a falling rate is followed, not anticipated."""
+    """The request rate `horizon_s` ahead. The current rate is the mean of the last
+    SMOOTH windows'; while the rate rises (a least squares line through `history`'s
+    (time, rate) points has a positive slope), the line's value `horizon_s` past the
+    last window, if higher. A falling rate is followed as the mean falls, not
+    anticipated."""
     if not history:
         return 0.0
-    last = history[-1][1]
+    recent = [r for _, r in history[-SMOOTH:]]
+    current = sum(recent) / len(recent)
     if len(history) < 3:
-        return last
+        return current
     ts = [t for t, _ in history]
     rs = [r for _, r in history]
     mt, mr = sum(ts) / len(ts), sum(rs) / len(rs)
     var = sum((t - mt) ** 2 for t in ts)
     slope = 0.0 if var == 0 else sum((t - mt) * (r - mr) for t, r in history) / var
-    return max(last, last + slope * horizon_s)
+    if slope <= 0:
+        return current
+    return max(current, mr + slope * (ts[-1] + horizon_s - mt))
 
 
 class Hold:

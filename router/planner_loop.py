@@ -58,11 +58,15 @@ class TrafficCounts:
     """What one router has served since it started (the planner's input), counted by
     `RouterCore` as requests get their first token and finish."""
 
-    requests: int = 0
+    requests: int = 0  # that got their first token
     prompt_tokens: int = 0
+    completed: int = 0  # that ended (their output counted)
     output_tokens: int = 0
-    local_computed: int = 0  # prompt tokens decode workers prefilled
+    local_computed: int = 0  # prompt tokens decode workers prefilled, by the policy
     remote_computed: int = 0  # prompt tokens prefill workers prefilled
+    # prompt tokens decode workers prefilled because the prefill pool was busy or failed
+    # (conditional disaggregation's spills, resumes): demand on the prefill pool
+    spilled_computed: int = 0
 
     def minus(self, other: TrafficCounts) -> TrafficCounts:
         return TrafficCounts(*(a - b for a, b in zip(_values(self), _values(other), strict=True)))
@@ -82,12 +86,16 @@ def traffic_of(window: TrafficCounts, seconds: float, last: Traffic | None) -> T
         if last is None:
             return Traffic(0.0, 0.0, 0.0)
         return dataclasses.replace(last, rate=rate)
-    computed = window.local_computed + window.remote_computed
+    computed = window.local_computed + window.remote_computed + window.spilled_computed
     prompt = window.prompt_tokens / window.requests
     return Traffic(
         rate=rate,
         prompt_tokens=prompt,
-        output_tokens=window.output_tokens / window.requests,
+        output_tokens=(
+            window.output_tokens / window.completed
+            if window.completed
+            else (last.output_tokens if last is not None else 0.0)
+        ),
         hit=min(max(1.0 - computed / window.prompt_tokens, 0.0), 1.0)
         if window.prompt_tokens
         else 0.0,

@@ -106,11 +106,13 @@ def test_kv_capacity_bounds_the_decode_pool() -> None:
     assert tight.decode > loose.decode
 
 
-def test_the_forecast_follows_a_rise_and_not_a_fall() -> None:
+def test_the_forecast_follows_a_rise_smooths_noise_and_does_not_anticipate_a_fall() -> None:
     rising = [(0.0, 1.0), (5.0, 2.0), (10.0, 3.0)]
     assert forecast_rate(rising, 10.0) == pytest.approx(5.0)
     falling = [(0.0, 3.0), (5.0, 2.0), (10.0, 1.0)]
-    assert forecast_rate(falling, 10.0) == 1.0
+    assert forecast_rate(falling, 10.0) == 2.0  # the last windows' mean: no lower
+    noisy = [(0.0, 5.0), (2.0, 6.0), (4.0, 4.0), (6.0, 5.0)]  # flat, each window's noise
+    assert forecast_rate(noisy, 10.0) == pytest.approx(5.0)
     assert forecast_rate([(0.0, 2.0)], 10.0) == 2.0 and forecast_rate([], 10.0) == 0.0
 
 

@@ -75,6 +75,7 @@ def test_one_router_leads_and_sizes_the_pools_from_every_routers_traffic(
             for counts in (a_counts, b_counts):
                 counts.requests += 20
                 counts.prompt_tokens += 20 * 2048
+                counts.completed += 20
                 counts.output_tokens += 20 * 16
                 counts.remote_computed += 20 * 2048
             now[0] += 10.0
@@ -99,6 +100,7 @@ def test_one_router_leads_and_sizes_the_pools_from_every_routers_traffic(
             for counts in (a_counts, b_counts):
                 counts.requests += 20
                 counts.prompt_tokens += 20 * 128
+                counts.completed += 20
                 counts.output_tokens += 20 * 1024
                 counts.remote_computed += 20 * 128
             now[0] += 10.0
