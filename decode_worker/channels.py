@@ -54,10 +54,6 @@ class Channel:
             batch, self._items = self._items, []
             yield batch
 
-    def has_pending(self) -> bool:
-        """Items put and not yet sent."""
-        return bool(self._items)
-
     def close(self) -> None:
         """Stop taking requests and abort the running ones (the router is gone)."""
         self.open = False

@@ -33,7 +33,6 @@ prefilled itself) and `pdserve.decode.stream` (first token to the last) children
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -77,8 +76,6 @@ logger = logging.getLogger(__name__)
 # when it needs one): well inside Serve's graceful_shutdown_timeout_s, which a draining
 # replica waits for its calls (channels included) to end.
 CHANNEL_IDLE_S = 5.0
-_NOTICE_READ_S = 1.0  # a stopping replica's read of its drain notice
-_FLUSH_S = 2.0  # how long a stopping replica lets its channels send their last items
 
 
 class DecodeServer(WorkerReplica):
@@ -230,36 +227,6 @@ class DecodeServer(WorkerReplica):
         super().begin_drain(deadline)
         loop = asyncio.get_running_loop()
         loop.call_later(max(deadline - time.time(), 0.0), self._migrate)
-
-    async def _finish_requests(self) -> None:
-        """Serve stops this replica (a scale-down; or the cluster stops, and then the
-        routers end their streams first). Serve does not count the channels' requests as
-        the replica's own, so it does not wait for them: the replica does. They run on
-        until the drain deadline (cluster/drain.py; `drain_deadline_s` from now when no
-        notice came), those still running then move elsewhere, and their last items reach
-        the routers before the engine stops."""
-        tasks = {t for c in self.channels.open_channels() for t in c.tasks.values()}
-        if not tasks:
-            return
-        deadline = self.drain_deadline
-        if deadline is None:
-            with contextlib.suppress(Exception):  # Redis gone: the configured deadline
-                deadline = await asyncio.wait_for(
-                    self.drain_notices.deadline(self.worker_id), _NOTICE_READ_S
-                )
-        if deadline is None:
-            deadline = time.time() + self.config.drain_deadline_s
-        logger.info("%s stops with %d requests running", self.worker_id, len(tasks))
-        await asyncio.wait(tasks, timeout=max(deadline - time.time(), 0.0))
-        self._migrate()
-        left = {t for c in self.channels.open_channels() for t in c.tasks.values()}
-        if left:
-            await asyncio.wait(left, timeout=_FLUSH_S)
-        # the migrate items go out with the channels' next batches
-        channels = self.channels.open_channels()
-        until = time.monotonic() + _FLUSH_S
-        while any(c.has_pending() for c in channels) and time.monotonic() < until:
-            await asyncio.sleep(0.01)  # the channel streams send what is pending
 
     def _migrate(self) -> None:
         tasks = {rid: t for c in self.channels.open_channels() for rid, t in c.tasks.items()}
@@ -533,7 +500,6 @@ class DecodeServer(WorkerReplica):
         return load
 
     async def __del__(self) -> None:
-        await self._finish_requests()
         try:
             await self.worker.close()
         except Exception:  # shutting down anyway: the rest must still be stopped
