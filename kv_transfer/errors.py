@@ -73,6 +73,13 @@ class NotHeldError(TransferError):
     meanwhile): nothing was sent, and the receiver computes the prompt."""
 
 
+class HolderGoneError(TransferError):
+    """A peer fetch's push reached another replica than the holder placement named (the
+    holder died or left its pool, and Serve routed the call on): nothing was sent, and
+    the receiver computes the prompt. Only the named holder pushes: it is the one whose
+    blocks and link placement weighed."""
+
+
 _BY_CODE: dict[int, type[TransferError]] = {
     cls.code: cls
     for cls in (

@@ -34,6 +34,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora.adapter import LoRAError, LoRAInUseError
 from pdserve.kv_transfer import make_sender
 from pdserve.kv_transfer.base import KVSender, tune_malloc
+from pdserve.kv_transfer.errors import HolderGoneError
 from pdserve.kv_transfer.torch_payload import layout_of
 from pdserve.runtime.index_member import IndexMember, LastKnownLoad
 from pdserve.runtime.prefix_push import push_prefix
@@ -203,7 +204,13 @@ class WorkerReplica:
         """Peer fetch, holder side (runtime/prefix_push.py): push blocks `first_block`..
         of the prompt's first `num_blocks` full blocks that this replica holds to the
         receiver at `address`, as transfer `fetch`. Raises the transfer's typed error, or
-        `NotHeldError` when it holds none of them: the receiver then computes them."""
+        `NotHeldError` when it holds none of them, `HolderGoneError` when this replica is
+        not `target_replica` (the named holder is gone): the receiver then computes them."""
+        if target_replica is not None and target_replica != self.worker_id:
+            raise HolderGoneError(
+                f"{fetch}: holder {target_replica} is gone; replica {self.worker_id} pushes"
+                " nothing in its place"
+            )
         cfg = self.config
         engine = self.engine.engine  # immutable settings only: safe off the engine thread
         stats = await push_prefix(
