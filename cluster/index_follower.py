@@ -137,22 +137,23 @@ class IndexFollower:
         current = self.connected and self._resnapshot is None
         self._count_match("memory" if current else "stale")
         if self.shortlist is not None:
-            return self._shortlisted(view, view.levels(block_hashes), now, role)
+            return self._shortlisted(view, block_hashes, now, role)
         live = {
             worker_id: info
             for worker_id, (info, lease_end) in self.live.items()
             if lease_end > now and (role is None or info.role == role)
         }
         counts = view.match(block_hashes, {w: info.generation for w, info in live.items()})
-        return {w: MatchResult(live[w], counts[w]) for w in sorted(live)}
+        return {w: _result(view, block_hashes, live[w], counts[w]) for w in sorted(live)}
 
     def _shortlisted(
-        self, view: IndexView, levels: Levels, now: float, role: str | None
+        self, view: IndexView, block_hashes: Sequence[BlockHash], now: float, role: str | None
     ) -> Shortlist:
         """Per pool, the `shortlist` longest holders (least loaded first among equals)
         and the `shortlist` least loaded workers; their entries' registrations must be
         the live ones."""
         assert self.shortlist is not None
+        levels: Levels = view.levels(block_hashes)
         k = self.shortlist
         chosen: dict[str, int] = {}  # worker_id -> matched blocks
         for pool, order in self._order.items():
@@ -178,7 +179,7 @@ class IndexFollower:
         for worker_id in sorted(chosen):
             entry = self.live.get(worker_id)
             if entry is not None and entry[1] > now:
-                out[worker_id] = MatchResult(entry[0], chosen[worker_id])
+                out[worker_id] = _result(view, block_hashes, entry[0], chosen[worker_id])
         out.live = self.live.keys()
         return out
 
@@ -302,10 +303,10 @@ class IndexFollower:
         regs = [(w.worker_id, w.generation) for w, _ in table]
         for i in range(0, len(regs), _SNAPSHOT_BATCH):
             batch = regs[i : i + _SNAPSHOT_BATCH]
-            for (worker_id, generation), held in zip(
-                batch, await self.index.held(batch), strict=True
-            ):
+            helds, tiers = await self.index.held(batch), await self.index.tiers(batch)
+            for (worker_id, generation), held, tier in zip(batch, helds, tiers, strict=True):
                 view.store_keys(worker_id, generation, (hex_key(h) for h in held))
+                view.set_tiers(worker_id, generation, {hex_key(h): t for h, t in tier.items()})
         self.view = view
         self.applied_seq, self.last_id, self.epoch = seq, last_id, epoch
         self._set_live(table, now)
@@ -378,6 +379,14 @@ class IndexFollower:
         self.matches[source] += 1
         if self._on_match is not None:
             self._on_match(source)
+
+
+def _result(
+    view: IndexView, block_hashes: Sequence[BlockHash], worker: WorkerInfo, matched: int
+) -> MatchResult:
+    """A worker's match, with how many of its matched blocks are only in a lower tier."""
+    host, disk = view.tier_counts(block_hashes, worker.worker_id, worker.generation, matched)
+    return MatchResult(worker, matched, host, disk)
 
 
 class Shortlist(dict[str, MatchResult]):

@@ -6,8 +6,9 @@ every request. This view holds the same entries (which registration, `worker:gen
 holds which block) in the router's memory, so a match walks only the prompt's chain and
 the holders of its blocks: time proportional to the chain, not to the fleet.
 
-It is fed the same STORED/REMOVED events the workers publish (`apply`), or a snapshot of
-a registration's whole cache (`store`), and forgets a registration at once when its lease
+It is fed the same events the workers publish (`apply`: STORED, REMOVED, and DEMOTED,
+which keeps a block held and notes that it is only in a lower tier), or a snapshot of a
+registration's whole cache (`store`, `set_tiers`), and forgets a registration at once when its lease
 lapses or its worker registers again (`drop`). Liveness is not its business: a match is
 given the live workers with their generations (what `PrefixIndex.live_workers` returns,
 which the router refreshes on its own clock), and entries of any other registration never
@@ -27,7 +28,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 
 from pdserve.common.hashing import BlockHash
-from pdserve.common.kv_events import KVEvent, KVEventKind
+from pdserve.common.kv_events import TIER_OPS, KVEvent
 
 Holders = int | tuple[int, ...]
 _INTERN_LIMIT = 1 << 16
@@ -51,6 +52,8 @@ class IndexView:
         self._slot_of: dict[tuple[str, int], int] = {}  # (worker_id, generation) -> slot
         self._member: dict[int, tuple[str, int]] = {}  # slot -> (worker_id, generation)
         self._held: dict[int, set[int]] = {}  # slot -> block keys (to drop a registration)
+        # slot -> its blocks held only in a lower tier: key -> "h" (host) or "d" (disk)
+        self._tier: dict[int, dict[int, str]] = {}
         self._next_slot = 0
         self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}
 
@@ -66,10 +69,13 @@ class IndexView:
     def apply(self, worker_id: str, generation: int, events: Sequence[KVEvent]) -> None:
         """A registration's block-pool events, in order (as `PrefixIndex.publish`)."""
         for event in events:
-            if event.kind is KVEventKind.STORED:
-                self.store(worker_id, generation, event.block_hashes)
-            else:
+            op = TIER_OPS[event.kind]
+            if op == "-":
                 self.remove(worker_id, generation, event.block_hashes)
+            else:
+                slot = self._slot(worker_id, generation)
+                for h in event.block_hashes:
+                    self._hold(slot, block_key(h), op)
 
     def store(self, worker_id: str, generation: int, hashes: Iterable[BlockHash]) -> None:
         """The registration holds these blocks (idempotent)."""
@@ -80,13 +86,14 @@ class IndexView:
         self.remove_keys(worker_id, generation, (block_key(h) for h in hashes))
 
     def apply_ops(self, worker_id: str, generation: int, ops: str) -> None:
-        """A registration's ops as the index's events stream carries them: per op '+' or
-        '-' and a block's key in 16 hex digits (`prefix_index.OP_LEN` characters)."""
+        """A registration's ops as the index's events stream carries them: per op its
+        character ('+', 'h', 'd' or '-': `TIER_OPS`) and a block's key in 16 hex digits
+        (`prefix_index.OP_LEN` characters)."""
         slot = self._slot(worker_id, generation)
         for i in range(0, len(ops), 17):
             key = hex_key(ops[i + 1 : i + 17])
-            if ops[i] == "+":
-                self._hold(slot, key)
+            if ops[i] != "-":
+                self._hold(slot, key, ops[i])
             elif key in self._held[slot]:
                 self._held[slot].discard(key)
                 self._unhold(key, slot)
@@ -108,7 +115,34 @@ class IndexView:
                 held.discard(key)
                 self._unhold(key, slot)
 
-    def _hold(self, slot: int, key: int) -> None:
+    def set_tiers(self, worker_id: str, generation: int, tiers: Mapping[int, str]) -> None:
+        """A snapshot's tiers: block key -> "h" or "d" for the registration's blocks held
+        only in a lower tier (held blocks only; the rest are in its device pool)."""
+        slot = self._slot(worker_id, generation)
+        held = self._held[slot]
+        own = {key: tier for key, tier in tiers.items() if key in held and tier in "hd"}
+        if own:
+            self._tier.setdefault(slot, {}).update(own)
+
+    def tier_counts(
+        self, block_hashes: Sequence[BlockHash], worker_id: str, generation: int, depth: int
+    ) -> tuple[int, int]:
+        """Of the chain's first `depth` blocks (those the registration holds), how many it
+        holds only in host memory and only on disk."""
+        slot = self._slot_of.get((worker_id, generation))
+        tiers = self._tier.get(slot) if slot is not None else None
+        if not tiers or depth <= 0:
+            return 0, 0
+        found = [tiers.get(block_key(h)) for h in block_hashes[:depth]]
+        return found.count("h"), found.count("d")
+
+    def _hold(self, slot: int, key: int, op: str = "+") -> None:
+        if op == "+":
+            tiers = self._tier.get(slot)
+            if tiers:
+                tiers.pop(key, None)
+        else:
+            self._tier.setdefault(slot, {})[key] = op
         held = self._held[slot]
         if key in held:
             return
@@ -134,6 +168,7 @@ class IndexView:
             for key in self._held.pop(slot):
                 self._unhold(key, slot)
                 removed += 1
+            self._tier.pop(slot, None)
             del self._slot_of[self._member.pop(slot)]
         return removed
 
@@ -157,6 +192,8 @@ class IndexView:
             size += sys.getsizeof(key) + sys.getsizeof(holders)
         for held in self._held.values():
             size += sys.getsizeof(held)  # its keys are the entries' keys, counted above
+        for tiers in self._tier.values():
+            size += sys.getsizeof(tiers)
         return size
 
     def match(self, block_hashes: Sequence[BlockHash], live: Mapping[str, int]) -> dict[str, int]:
@@ -240,6 +277,9 @@ class IndexView:
         return slot
 
     def _unhold(self, key: int, slot: int) -> None:
+        tiers = self._tier.get(slot)
+        if tiers:
+            tiers.pop(key, None)
         current = self._holders[key]
         if isinstance(current, int):
             del self._holders[key]

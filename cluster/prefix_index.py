@@ -14,10 +14,13 @@ Redis schema, every key prefixed ``pdserve:{model_id}:``:
     registrations             SET  "{worker_id}:{generation}" not yet reaped
     held:{worker_id}:{gen}    SET  hash_hex the registration published (the reverse index
                                    that lets reap() find its block entries without SCAN)
+    tier:{worker_id}:{gen}    HASH hash_hex -> "h" (host memory) or "d" (disk) for the
+                                   registration's blocks held only in a lower tier; a
+                                   block absent here is in the device pool
     events                    STREAM what changed, for routers that keep the index in memory
                                    (`index_follower.py`): one entry per register, publish or
                                    deregister, fields n (sequence), k (kind), m (member),
-                                   o (ops); trimmed to about `stream_len` entries (none
+                                   o (ops: `TIER_OPS`); trimmed to about `stream_len` entries (none
                                    written when it is 0)
     events_seq                STRING the last entry's n: a router that sees n jump knows it
                                    missed entries (trimmed, or Redis restarted)
@@ -58,7 +61,7 @@ from typing import Any, NamedTuple
 import redis.asyncio as aioredis
 
 from pdserve.common.hashing import BlockHash
-from pdserve.common.kv_events import KVEvent, KVEventKind
+from pdserve.common.kv_events import TIER_OPS, KVEvent
 
 __all__ = [
     "ROLES",
@@ -73,8 +76,9 @@ __all__ = [
 
 ROLES = ("prefill", "decode")
 OP_LEN = 17
-"""An op in a stream entry: '+' (stored) or '-' (removed), then the block's first 8 hash
-bytes in hex, which is all a router's in-memory view keys a block by."""
+"""An op in a stream entry: '+' (stored, in the device pool), 'h' or 'd' (held only in
+host memory or on disk), '-' (removed), then the block's first 8 hash bytes in hex, which
+is all a router's in-memory view keys a block by."""
 _RESERVED_FIELDS = frozenset({"role", "address", "generation", "kv_format"})
 _REAP_BATCH = 512
 
@@ -114,19 +118,25 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS: worker key, held set, events stream, events sequence, block key per op.
+# KEYS: worker key, held set, events stream, events sequence, tier hash, block key per op.
 # ARGV: generation, member, stream length, the ops as the stream carries them (`_ops`),
-# then per op '+' (stored) or '-' (removed) and the block's hash_hex. Ops apply in order.
+# then per op its character (`TIER_OPS`) and the block's hash_hex. Ops apply in order.
 _PUBLISH_LUA = """
 if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return 0 end
-for j = 5, #KEYS do
-  local op, hex = ARGV[2 * j - 5], ARGV[2 * j - 4]
-  if op == '+' then
-    redis.call('SADD', KEYS[j], ARGV[2])
-    redis.call('SADD', KEYS[2], hex)
-  else
+for j = 6, #KEYS do
+  local op, hex = ARGV[2 * j - 7], ARGV[2 * j - 6]
+  if op == '-' then
     redis.call('SREM', KEYS[j], ARGV[2])
     redis.call('SREM', KEYS[2], hex)
+    redis.call('HDEL', KEYS[5], hex)
+  else
+    redis.call('SADD', KEYS[j], ARGV[2])
+    redis.call('SADD', KEYS[2], hex)
+    if op == '+' then
+      redis.call('HDEL', KEYS[5], hex)
+    else
+      redis.call('HSET', KEYS[5], hex, op)
+    end
   end
 end
 if ARGV[3] ~= '0' and ARGV[4] ~= '' then
@@ -153,8 +163,10 @@ return 1
 """
 
 # KEYS: workers set, then the chain's block keys, first block first.
-# ARGV: worker key prefix, role filter ('' = any).
-# Returns {worker_id, matched_blocks, {field, value, ...}} per live worker of the role.
+# ARGV: worker key prefix, role filter ('' = any), tier key prefix, then the chain's
+# hash_hex, first block first.
+# Returns {worker_id, matched_blocks, {field, value, ...}, host blocks, disk blocks} per
+# live worker of the role (of its matched blocks, those held only in a lower tier).
 _MATCH_LUA = """
 local live_gen, wanted, fields_of = {}, {}, {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -190,7 +202,21 @@ for i = 2, #KEYS do
   num_running = num_advanced
 end
 local out = {}
-for _, id in ipairs(wanted) do out[#out + 1] = {id, counts[id], fields_of[id]} end
+for _, id in ipairs(wanted) do
+  local host, disk = 0, 0
+  local tier_key = ARGV[3] .. id .. ':' .. (live_gen[id] or '')
+  if counts[id] > 0 and redis.call('EXISTS', tier_key) == 1 then
+    local first, last = 4, 3 + counts[id]
+    while first <= last do  -- in batches: unpack() is bounded by Lua's stack
+      local upto = math.min(first + 999, last)
+      for _, t in ipairs(redis.call('HMGET', tier_key, unpack(ARGV, first, upto))) do
+        if t == 'h' then host = host + 1 elseif t == 'd' then disk = disk + 1 end
+      end
+      first = upto + 1
+    end
+  end
+  out[#out + 1] = {id, counts[id], fields_of[id], host, disk}
+end
 return out
 """
 
@@ -237,10 +263,13 @@ class KVFormatMismatchError(ValueError):
 
 
 class MatchResult(NamedTuple):
-    """A live worker and how many leading blocks of the queried chain it holds."""
+    """A live worker and how many leading blocks of the queried chain it holds; of those,
+    how many only in host memory and only on disk (the rest are in its device pool)."""
 
     worker: WorkerInfo
     matched_blocks: int
+    host_blocks: int = 0
+    disk_blocks: int = 0
 
 
 class ReapResult(NamedTuple):
@@ -346,18 +375,20 @@ class PrefixIndex:
     async def publish(self, worker_id: str, generation: int, events: Sequence[KVEvent]) -> bool:
         """Applies a worker's block-pool events in order; one round trip, atomic.
 
-        STORED adds "worker_id:generation" to each block's set, REMOVED takes it out.
+        STORED adds "worker_id:generation" to each block's set, REMOVED takes it out;
+        DEMOTED_HOST and DEMOTED_DISK keep it there and note the block's tier (STORED and
+        REMOVED clear it).
 
         Returns:
             False if the registration is gone or stale; nothing was written (re-register
             and republish).
         """
         keys = [self._worker_key(worker_id), self._held_key(worker_id, generation)]
-        keys += self._stream_keys()
+        keys += [*self._stream_keys(), self._tier_key(worker_id, generation)]
         ops: list[str] = []
         pairs: list[str | int] = []
         for event in events:
-            op = "+" if event.kind is KVEventKind.STORED else "-"
+            op = TIER_OPS[event.kind]
             for block_hash in event.block_hashes:
                 hash_hex = block_hash.hex()
                 keys.append(self._block_key(hash_hex))
@@ -404,8 +435,9 @@ class PrefixIndex:
             worker_id -> MatchResult for every live worker of the role, sorted by id;
             a worker holding none of the chain has matched_blocks 0.
         """
-        keys = [self.key("workers"), *(self._block_key(h.hex()) for h in block_hashes)]
-        rows = await self._match(keys, [self.key("worker:"), role or ""])
+        hexes = [h.hex() for h in block_hashes]
+        keys = [self.key("workers"), *(self._block_key(h) for h in hexes)]
+        rows = await self._match(keys, [self.key("worker:"), role or "", self.key("tier:"), *hexes])
         results = [_match_result(row) for row in rows]
         return {r.worker.worker_id: r for r in sorted(results, key=lambda r: r.worker.worker_id)}
 
@@ -446,7 +478,7 @@ class PrefixIndex:
                 batch = []
         num_entries += await self._srem_entries(batch, member)
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.delete(held_key)
+            pipe.delete(held_key, self._tier_key(worker_id, generation))
             pipe.srem(self.key("registrations"), member)
             await pipe.execute()
         return num_entries
@@ -506,6 +538,15 @@ class PrefixIndex:
             replies = await pipe.execute()
         return [[_text(h) for h in reply] for reply in replies]
 
+    async def tiers(self, registrations: Sequence[tuple[str, int]]) -> list[dict[str, str]]:
+        """Each registration's blocks held only in a lower tier (hash hex -> "h" or "d"),
+        in one pipelined trip."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id, generation in registrations:
+                pipe.hgetall(self._tier_key(worker_id, generation))
+            replies = await pipe.execute()
+        return [{_text(k): _text(v) for k, v in reply.items()} for reply in replies]
+
     def _stream_keys(self) -> list[str]:
         return [self.key("events"), self.key("events_seq")]
 
@@ -517,6 +558,9 @@ class PrefixIndex:
 
     def _held_key(self, worker_id: str, generation: int) -> str:
         return f"{self._prefix}held:{worker_id}:{generation}"
+
+    def _tier_key(self, worker_id: str, generation: int) -> str:
+        return f"{self._prefix}tier:{worker_id}:{generation}"
 
 
 def _load_args(load: Mapping[str, int]) -> list[str | int]:
@@ -532,7 +576,8 @@ def _load_args(load: Mapping[str, int]) -> list[str | int]:
 
 
 def _match_result(row: Sequence[Any]) -> MatchResult:
-    worker_id, matched_blocks, flat = row
+    worker_id, matched_blocks, flat = row[:3]
+    host, disk = (int(v) for v in row[3:5]) if len(row) >= 5 else (0, 0)
     fields = {_text(k): _text(v) for k, v in zip(flat[::2], flat[1::2], strict=True)}
     worker = WorkerInfo(
         worker_id=_text(worker_id),
@@ -542,7 +587,7 @@ def _match_result(row: Sequence[Any]) -> MatchResult:
         kv_format=fields.pop("kv_format", ""),
         load={name: int(value) for name, value in fields.items()},
     )
-    return MatchResult(worker, int(matched_blocks))
+    return MatchResult(worker, int(matched_blocks), host, disk)
 
 
 class StreamEvent(NamedTuple):

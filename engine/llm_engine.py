@@ -30,7 +30,7 @@ from pdserve.common.hashing import (
     lora_model_id,
     request_namespace,
 )
-from pdserve.common.kv_events import KVEvent, KVEventKind
+from pdserve.common.kv_events import KVEvent
 from pdserve.common.model_config import ModelConfig, load_model_config
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
@@ -966,14 +966,14 @@ class LLMEngine:
         return self.block_pool.drain_events()
 
     def kv_snapshot(self) -> list[KVEvent]:
-        """Every cached block as one STORED event, dropping the pending events.
+        """Every held block as events (STORED for the pool's, DEMOTED for a lower
+        tier's), dropping the pending events.
 
         For a worker whose index registration was lost: republishing this replaces the
         event history the index missed.
         """
         self.block_pool.drain_events()
-        hashes = tuple(self.block_pool.cached_hashes())
-        return [KVEvent(KVEventKind.STORED, hashes)] if hashes else []
+        return self.block_pool.snapshot_events()
 
     def load(self) -> dict[str, int]:
         """Integer load gauges for placement and metrics (names as the index stores them)."""

@@ -74,7 +74,7 @@ from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s,
 from pdserve.router.fetch import Fetch, choose_fetch
 from pdserve.router.load import Hold, LoadBook
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.placement import Choice, Placer
+from pdserve.router.placement import Choice, Placer, tier_cost_s
 from pdserve.router.planner_loop import TrafficCounts
 from pdserve.router.prefix_cache import CachedTokens
 from pdserve.router.priority import prefill_queue_bound_s
@@ -357,7 +357,12 @@ class RouterCore:
             if worker_id not in exclude and worker_id not in DEPARTURES.seen:
                 by_role.setdefault(m.worker.role, {})[worker_id] = m
         holds = None if lora is None else partial(self.load.holds_lora, lora=lora)
-        decode = self.placer.choose_decode(by_role["decode"], self.load.decode_streams, holds)
+        local_rates = {w: self.rates.local_rate(w, None) for w in by_role["decode"]}
+        decode = self.placer.choose_decode(
+            by_role["decode"], self.load.decode_streams, holds, local_rates
+        )
+        if decode is not None:
+            self._count_hits("decode", by_role["decode"][decode.worker_id])
         n = len(prompt_ids)
         if self.prefill is None:
             return self._place_colocated(decode, by_role["decode"], n)
@@ -365,6 +370,8 @@ class RouterCore:
         prefill = self.placer.choose_prefill(
             by_role["prefill"], n, self.load.prefill_tokens, rates, holds
         )
+        if prefill is not None:
+            self._count_hits("prefill", by_role["prefill"][prefill.worker_id])
         remote = local = None
         running = 0
         if decode is not None:
@@ -375,6 +382,7 @@ class RouterCore:
                 self.placer.uncached_tokens(d, n),
                 self.load.local_queue(d),
                 self.rates.local_rate(decode.worker_id, sum(known) / len(known) if known else None),
+                extra_s=tier_cost_s(d),
             )
             running = self.load.running(d)
         if prefill is not None:
@@ -387,7 +395,7 @@ class RouterCore:
                 self.placer.uncached_tokens(m, n),
                 self.load.prefill_queue(m),
                 rates[prefill.worker_id],
-                extra_s=self.rates.push_s(last_block + 1 - skipped),
+                extra_s=self.rates.push_s(last_block + 1 - skipped) + tier_cost_s(m),
             )
         everyone = {**by_role["prefill"], **by_role["decode"]}
         return Placed(prefill, decode, True, remote, local, running, matches=everyone)
@@ -409,6 +417,7 @@ class RouterCore:
                 self.placer.uncached_tokens(m, n),
                 self.load.local_queue(m),
                 pool_rate if rates[w] is None else rates[w],
+                extra_s=tier_cost_s(m),
             )
             for w, m in matches.items()
         }
@@ -899,6 +908,14 @@ class RouterCore:
             )
         except Exception:  # _prefill handles the call's errors: this is a bug, not a failure
             logger.exception("%s: prefill task failed", request_id)
+
+    def _count_hits(self, role: str, m: MatchResult) -> None:
+        """The chosen worker's hit on the prompt, by the tier it holds each block in."""
+        if m.matched_blocks:
+            hits = self.metrics.placement_hits
+            hits.labels(role, "device").inc(m.matched_blocks - m.host_blocks - m.disk_blocks)
+            hits.labels(role, "host").inc(m.host_blocks)
+            hits.labels(role, "disk").inc(m.disk_blocks)
 
     def _count_placement(self, role: str, chosen: str | None, served: str | None) -> None:
         """Count the replica that served; an override when Serve did not use the choice."""

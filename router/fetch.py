@@ -6,8 +6,10 @@ less of a prompt's prefix than another worker, of either pool, to prefill it (co
 mode; in disaggregated mode a prompt the router left to the decode worker). The blocks it
 lacks are then computed there, unless the holder pushes them: `choose_fetch` names the
 holder when the blocks are at least `kv_fetch_min_blocks` and the measured push (this
-router's record of earlier fetches) is sooner than computing them at the chosen worker's
-measured rate. Unmeasured, it fetches: that is how the push gets measured. Torch-free.
+router's record of earlier fetches, plus the holder's copies out of its host-memory or
+disk tier for the blocks only a tier holds there) is sooner than computing them at the
+chosen worker's measured rate. Unmeasured, it fetches: that is how the push gets
+measured. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from pdserve.cluster.prefix_index import MatchResult
+from pdserve.router.placement import tier_cost_s
 
 
 class Fetch(NamedTuple):
@@ -57,7 +60,12 @@ def choose_fetch(
     held, holder = best
     blocks = held - have
     compute_s = blocks * block_size / tokens_per_s if tokens_per_s else None
-    fetch_s = blocks * fetch_s_per_block if fetch_s_per_block is not None else None
+    fetch_s = None
+    if fetch_s_per_block is not None:
+        # the holder's tiered blocks, prorated over what it pushes: their copies first
+        m = matches[holder]
+        tier_s = tier_cost_s(m) * blocks / m.matched_blocks if m.matched_blocks else 0.0
+        fetch_s = blocks * fetch_s_per_block + tier_s
     if compute_s is not None and fetch_s is not None and fetch_s >= compute_s:
         return None
     return Fetch(holder, held, have, compute_s, fetch_s, matches[holder].worker.role)

@@ -41,6 +41,9 @@ LOCAL_PREFILL_REASONS = (
     "resume",
     "policy",
 )
+TIERS = ("device", "host", "disk")
+"""Where a worker holds a prompt block (`pdserve_placement_hit_blocks_total{tier}`)."""
+
 # What became of a peer fetch (the receiver computes the prompt unless "used"): used:
 # its blocks were written and served as a prefix hit; already_held: the worker that took
 # the request held them itself (Serve gave it another replica than placement chose);
@@ -159,6 +162,7 @@ class ModelMetrics:
         self.lora_tokens = _Partial(p.lora_tokens, model)
         self.lora_loads = _Partial(p.lora_loads, model)
         self.fetch_bytes = p.fetch_bytes.labels(model)
+        self.placement_hits = _Partial(p.placement_hits, model)
         self.resumes = p.resumes.labels(model)
         self.drain_migrations = p.drain_migrations.labels(model)
         self.planner_decisions = _Partial(p.planner_decisions, model)
@@ -192,6 +196,9 @@ class ModelMetrics:
             self.result_cache_stores.labels(result)
         for outcome in FETCH_OUTCOMES:
             self.fetches.labels(outcome)
+        for role in ("prefill", "decode"):
+            for tier in TIERS:
+                self.placement_hits.labels(role, tier)
         for reason in LOCAL_PREFILL_REASONS:  # every reason shows, at 0 until it happens
             self.local_prefills.labels(reason)
         for where, reasons in REASONS.items():
@@ -316,6 +323,13 @@ class RouterMetrics:
             "pdserve_kv_fetch_bytes",
             "KV bytes holders pushed for peer fetches",
             ["model"],
+            registry=r,
+        )
+        self.placement_hits = Counter(
+            "pdserve_placement_hit_blocks",
+            "Prompt blocks the chosen worker held when placed, by pool and by where it held"
+            " them (device pool, host-memory tier, disk tier)",
+            ["model", "role", "tier"],
             registry=r,
         )
         self.local_prefills = Counter(

@@ -11,8 +11,11 @@ or backed-up worker gets less. A request of a LoRA adapter costs more on a worke
 does not hold the adapter resident (`PlacementWeights.lora_load`): it goes where its
 adapter is unless that worker is busier by more than a load is worth, and an adapter no
 worker holds goes to one with a free adapter slot (its `lora_slots_free` gauge), the
-least loaded. `round-robin` and `random` ignore prefix, load and adapters, for the
-benchmarks that measure what prefix-aware placement buys. Plain Python.
+least loaded. A prefix hit costs what using it costs: a block in the worker's device
+pool nothing, one only in its host-memory or disk tier a copy at the rates the worker
+measured and reports (`tier_cost_s`), weighed against computing the block at the
+worker's prefill rate. `round-robin` and `random` ignore prefix, load and adapters, for
+the benchmarks that measure what prefix-aware placement buys. Plain Python.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ class Placer:
             tokens = self.uncached_tokens(m, prompt_len) + queued_tokens(m, inflight_tokens)
             work = tokens + load_tokens * lora_loads(m, holds_lora)
             rate = rates.get(m.worker.worker_id)
-            return work / rate if rate else work
+            # unmeasured, costs are in tokens, and a tier's copy has no token price yet
+            return work / rate + tier_cost_s(m) if rate else work
 
         return self._pick("prefill", list(matches.values()), cost)
 
@@ -92,19 +96,33 @@ class Placer:
         """The prompt's tokens the worker would compute (it holds the rest)."""
         return prompt_len - min(m.matched_blocks * self.block_size, prompt_len)
 
+    def hit_blocks(self, m: MatchResult, tokens_per_s: float | None) -> float:
+        """The worker's matched blocks, less what copying its tiered ones back costs, in
+        blocks it could compute in that time (at `tokens_per_s`; unmeasured, a tiered
+        block counts as one in the pool). Never below 0: a hit is never worse than
+        computing."""
+        tier_s = tier_cost_s(m)
+        if not tier_s or not tokens_per_s:
+            return float(m.matched_blocks)
+        return max(m.matched_blocks - tier_s * tokens_per_s / self.block_size, 0.0)
+
     def choose_decode(
         self,
         matches: Mapping[str, MatchResult],
         inflight_requests: Mapping[str, int],
         holds_lora: HoldsLoRA | None = None,
+        rates: Mapping[str, float | None] | None = None,
     ) -> Choice | None:
         """The decode worker with the lowest weighted load minus its cached prefix.
 
         inflight_requests: requests this router has streaming from each worker.
         holds_lora: for a request of a LoRA adapter, whether a worker holds it resident.
+        rates: each worker's prefill tokens per second, by which a hit in a lower tier
+        counts for less than one in the pool (`hit_blocks`).
         Returns None when no decode worker is live.
         """
         w = self.weights
+        rates = rates or {}
 
         def cost(m: MatchResult) -> float:
             load = m.worker.load
@@ -114,7 +132,7 @@ class Placer:
             return (
                 w.running * running
                 + w.kv_usage * usage_pct
-                - w.hit * m.matched_blocks
+                - w.hit * self.hit_blocks(m, rates.get(m.worker.worker_id))
                 + w.lora_load * lora_loads(m, holds_lora)
             )
 
@@ -135,6 +153,19 @@ class Placer:
             lowest = min(costs)
             best = self.rng.choice([m for m, c in zip(ordered, costs, strict=True) if c == lowest])
         return Choice(best.worker.worker_id, best.worker.address, best.matched_blocks)
+
+
+def tier_cost_s(m: MatchResult) -> float:
+    """Seconds the worker takes to bring its matched blocks that are only in a lower
+    tier back into its pool, at the per-block costs it measured and reports (a host
+    block: one copy; a disk block: a read and its checksum, then the copy); 0 for blocks
+    in the pool, or a tier it has not measured yet."""
+    if not m.host_blocks and not m.disk_blocks:
+        return 0.0
+    load = m.worker.load
+    promote_us = max(load.get("kv_host_promote_us_per_block", 0), 0)
+    read_us = max(load.get("kv_disk_read_us_per_block", 0), 0)
+    return (m.host_blocks * promote_us + m.disk_blocks * (read_us + promote_us)) / 1e6
 
 
 def lora_loads(m: MatchResult, holds_lora: HoldsLoRA | None) -> int:

@@ -154,10 +154,18 @@ class BlockPool:
             block.ref_count = 1
             blocks.append(block)
         if demoted:
-            assert self.lower_tier is not None
-            for block_hash in self.lower_tier.demote(demoted):
+            tier = self.lower_tier
+            assert tier is not None
+            dropped = set(tier.demote(demoted))
+            for block_hash in dropped:
                 if block_hash not in self._cached:
                     self._record(KVEventKind.REMOVED, block_hash)
+            recorded = set()
+            for _, block_hash in demoted:
+                if block_hash not in dropped and block_hash not in self._cached:
+                    self._record_tier(block_hash)
+                    recorded.add(block_hash)
+            self._take_tier_changes(skip=recorded)
         return blocks
 
     def free(self, blocks: Iterable[KVBlock], front: bool = False) -> None:
@@ -217,6 +225,7 @@ class BlockPool:
         Consecutive events of the same kind are merged into one KVEvent with several
         hashes, order preserved. Always [] when events are disabled.
         """
+        self._take_tier_changes()
         events = [KVEvent(kind, tuple(hashes)) for kind, hashes in self._events]
         self._events = []
         return events
@@ -273,7 +282,48 @@ class BlockPool:
         del self._cached[block.block_hash]
         if self.lower_tier is None or block.block_hash not in self.lower_tier:
             self._record(KVEventKind.REMOVED, block.block_hash)
+        else:
+            self._record_tier(block.block_hash)
         block.block_hash = None
+
+    def _take_tier_changes(self, skip: set[BlockHash] | frozenset[BlockHash] = frozenset()) -> None:
+        """Events for what moved inside the lower tier (to disk only, or dropped there),
+        but for hashes in `skip` (their place was just recorded)."""
+        if self.lower_tier is None:
+            return
+        for block_hash, where in self.lower_tier.take_changes():
+            if block_hash in self._cached or block_hash in skip:
+                continue  # in the pool: the index lists it there
+            if where is None:
+                self._record(KVEventKind.REMOVED, block_hash)
+            else:
+                self._record_tier(block_hash)
+
+    def _record_tier(self, block_hash: BlockHash) -> None:
+        """A DEMOTED event for a hash that left the pool but a lower tier holds."""
+        assert self.lower_tier is not None
+        where = self.lower_tier.tier_of(block_hash)
+        if where is not None:
+            kind = KVEventKind.DEMOTED_DISK if where == "disk" else KVEventKind.DEMOTED_HOST
+            self._record(kind, block_hash)
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """Every hash this worker holds, as the events that publish it with its tier: the
+        pool's STORED, then each lower tier's DEMOTED (to republish a whole index)."""
+        events = [KVEvent(KVEventKind.STORED, tuple(self._cached))] if self._cached else []
+        if self.lower_tier is not None:
+            by_tier: dict[str, list[BlockHash]] = {"host": [], "disk": []}
+            for block_hash in self.lower_tier.hashes():
+                where = self.lower_tier.tier_of(block_hash)
+                if block_hash not in self._cached and where is not None:
+                    by_tier[where].append(block_hash)
+            for kind, where in (
+                (KVEventKind.DEMOTED_HOST, "host"),
+                (KVEventKind.DEMOTED_DISK, "disk"),
+            ):
+                if by_tier[where]:
+                    events.append(KVEvent(kind, tuple(by_tier[where])))
+        return events
 
     def _record(self, kind: KVEventKind, block_hash: BlockHash) -> None:
         if not self.enable_events:

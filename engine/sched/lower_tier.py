@@ -12,6 +12,10 @@ its copies live with the tensors (`engine/worker/kv_host_tier.py`, host memory).
   (or KV import) that reads them.
 - `pin`/`unpin`: hashes about to be promoted. A demotion in the same allocation must not
   drop them.
+- `tier_of` and `take_changes`: where a held hash is ("host" or "disk"), and the hashes
+  whose place changed inside the tier since the last call (host memory to disk only; or
+  dropped, a disk copy that failed its checksum), for the pool's DEMOTED and REMOVED
+  events: the cluster's index keeps each block's tier.
 """
 
 from __future__ import annotations
@@ -40,6 +44,17 @@ class LowerTier(Protocol):
 
     def hashes(self) -> list[BlockHash]:
         """Every hash held now."""
+        ...
+
+    def tier_of(self, block_hash: BlockHash) -> str | None:
+        """ "host" or "disk" for a held hash (the fastest copy), None for another; reads
+        nothing from disk."""
+        ...
+
+    def take_changes(self) -> list[tuple[BlockHash, str | None]]:
+        """(hash, "disk" or None) for each hash that moved to a slower level inside this
+        tier, or was dropped there outside `demote` (a failed checksum), since the last
+        call."""
         ...
 
     def clear(self) -> list[BlockHash]:

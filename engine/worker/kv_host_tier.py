@@ -91,6 +91,8 @@ class HostKVTier:
         self.disk = disk
         # blocks read from disk (checksums checked) for a promotion about to happen
         self._staged: dict[BlockHash, torch.Tensor] = {}
+        # moved to disk only, or dropped outside demote(): for the index (take_changes)
+        self._changes: list[tuple[BlockHash, str | None]] = []
 
     def __contains__(self, block_hash: object) -> bool:
         if block_hash in self._slots or block_hash in self._staged:
@@ -99,6 +101,7 @@ class HostKVTier:
             return False
         block = self.disk.read(block_hash)  # None: its checksum failed, and it is gone
         if block is None:
+            self._changes.append((block_hash, None))
             return False
         if len(self._staged) >= _MAX_STAGED:
             self._staged.pop(next(iter(self._staged)))
@@ -143,9 +146,22 @@ class HostKVTier:
             taken.append((block_id, block_hash, slot))
         self._copy_in(taken, dropped)
         if self.disk is not None:  # held while either tier has it
-            dropped = [h for h in dropped if h not in self._slots and h not in self.disk]
+            gone = [h for h in dropped if h not in self._slots]
+            self._changes += [(h, "disk") for h in gone if h in self.disk]
+            dropped = [h for h in gone if h not in self.disk]
         self.stats.dropped += len(dropped)
         return dropped
+
+    def tier_of(self, block_hash: BlockHash) -> str | None:
+        if block_hash in self._slots:
+            return "host"
+        if self.disk is not None and block_hash in self.disk:
+            return "disk"
+        return None
+
+    def take_changes(self) -> list[tuple[BlockHash, str | None]]:
+        changes, self._changes = self._changes, []
+        return changes
 
     def _copy_in(self, taken: list[tuple[int, BlockHash, int]], dropped: list[BlockHash]) -> None:
         """Copy device blocks into their slots (and through to the disk)."""

@@ -33,9 +33,12 @@ def chain(tokens: list[int]) -> list[bytes]:
     return hash_block_chain(tokens, 4, NS)
 
 
-def counts(matches: dict[str, MatchResult]) -> dict[str, tuple[int, int]]:
-    """worker -> (generation, matched blocks)."""
-    return {w: (m.worker.generation, m.matched_blocks) for w, m in matches.items()}
+def counts(matches: dict[str, MatchResult]) -> dict[str, tuple[int, int, int, int]]:
+    """worker -> (generation, matched blocks, of those in host memory, on disk)."""
+    return {
+        w: (m.worker.generation, m.matched_blocks, m.host_blocks, m.disk_blocks)
+        for w, m in matches.items()
+    }
 
 
 class Fleet:
@@ -69,7 +72,8 @@ class Fleet:
         else:
             c = rng.choice(self.chains)
             lo, hi = sorted(rng.sample(range(len(c) + 1), 2))
-            kind = KVEventKind.STORED if rng.random() < 0.7 else KVEventKind.REMOVED
+            kinds = (KVEventKind.STORED, KVEventKind.DEMOTED_HOST, KVEventKind.DEMOTED_DISK)
+            kind = rng.choices([*kinds, KVEventKind.REMOVED], weights=(0.5, 0.15, 0.1, 0.25))[0]
             events = [KVEvent(kind, tuple(c[lo:hi]))]
             assert await self.index.publish(worker_id, self.generation[worker_id], events)
 
@@ -211,9 +215,9 @@ async def test_a_lapsed_lease_leaves_the_view_when_it_ends(redis_server: Embedde
     follower = IndexFollower(make_index(redis_server.url), refresh_s=30.0, clock=lambda: now[0])
     try:
         await follower.wait_caught_up(WAIT_S)
-        assert counts(await follower.match(c)) == {"w0": (fleet.generation["w0"], len(c))}
+        assert counts(await follower.match(c)) == {"w0": (fleet.generation["w0"], len(c), 0, 0)}
         now[0] += 0.5
-        assert counts(await follower.match(c)) == {"w0": (fleet.generation["w0"], len(c))}
+        assert counts(await follower.match(c)) == {"w0": (fleet.generation["w0"], len(c), 0, 0)}
         now[0] += 0.51  # past the 1 s lease as the snapshot read it
         assert await follower.match(c) == {}
         assert follower.matches == {"memory": 3}
@@ -244,7 +248,7 @@ async def test_a_shortlist_keeps_the_longest_holders_and_the_least_loaded(
         await follower.wait_caught_up(WAIT_S)
         got = counts(await follower.match(c))
         full = await workers.match(c)
-        assert {w: n for w, (_, n) in got.items()} == {
+        assert {w: n for w, (_, n, _, _) in got.items()} == {
             # the longest holders, the least loaded first (loads fall as i grows)
             "w79": 10,
             "w69": 10,
@@ -258,7 +262,7 @@ async def test_a_shortlist_keeps_the_longest_holders_and_the_least_loaded(
             "w76": 7,
             "w74": 5,  # decode (w78 is both)
         }
-        assert all(full[w].matched_blocks == n for w, (_, n) in got.items())
+        assert all(full[w].matched_blocks == n for w, (_, n, _, _) in got.items())
         shortlist = await follower.match(c)
         assert set(getattr(shortlist, "live", ())) == set(generation)
         only_decode = await follower.match(c, "decode")

@@ -82,7 +82,18 @@ def redis_url() -> Iterator[str]:
         yield server.url
 
 
+KINDS = (
+    KVEventKind.STORED,
+    KVEventKind.DEMOTED_HOST,
+    KVEventKind.DEMOTED_DISK,
+    KVEventKind.REMOVED,
+)
+
+
 def test_a_replayed_history_gives_the_lua_match_s_holders(redis_url: str) -> None:
+    """Registrations, restarts, and every kind of event (a block stored, moved to host
+    memory or disk, removed), each applied to Redis and to the view: at every step the
+    view's counts and tiers equal the Lua match's."""
     asyncio.run(_replay(redis_url))
 
 
@@ -115,15 +126,19 @@ async def _replay(url: str) -> None:
             else:
                 c = rng.choice(chains)
                 lo, hi = sorted(rng.sample(range(len(c) + 1), 2))
-                kind = KVEventKind.STORED if rng.random() < 0.7 else KVEventKind.REMOVED
+                kind = rng.choices(KINDS, weights=(0.5, 0.15, 0.1, 0.25))[0]
                 events = [KVEvent(kind, tuple(c[lo:hi]))]
                 assert await index.publish(worker_id, generation[worker_id], events)
                 view.apply(worker_id, generation[worker_id], events)
             live = {w.worker_id: w.generation for w in await index.live_workers()}
             assert live == generation
             for c in rng.sample(chains, 3):
-                want = {w: r.matched_blocks for w, r in (await index.match(c)).items()}
+                results = await index.match(c)
+                want = {w: r.matched_blocks for w, r in results.items()}
                 assert view.match(c, live) == want
+                for w, r in results.items():  # and of those blocks, the ones in a tier
+                    tiers = view.tier_counts(c, w, live[w], r.matched_blocks)
+                    assert tiers == (r.host_blocks, r.disk_blocks), (w, r)
                 by_level = {}  # the same holders, from the walk the router's shortlist uses
                 for depth, slots in view.levels(c):
                     for slot in slots:

@@ -133,6 +133,43 @@ def test_removed_events_lower_the_count(redis_url: str) -> None:
     asyncio.run(body())
 
 
+def test_a_block_keeps_its_tier_until_it_is_stored_again_or_removed(redis_url: str) -> None:
+    host, disk = KVEventKind.DEMOTED_HOST, KVEventKind.DEMOTED_DISK
+
+    def tiered(results: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
+        return {w: (r.matched_blocks, r.host_blocks, r.disk_blocks) for w, r in results.items()}
+
+    async def body() -> None:
+        async with open_index(redis_url) as index:
+            gen = await index.register(decode("D"))
+            gen_e = await index.register(decode("E"))
+            await index.publish("D", gen, stored(CHAIN))
+            await index.publish("E", gen_e, stored(CHAIN[:4]))
+            assert tiered(await index.match(CHAIN)) == {"D": (10, 0, 0), "E": (4, 0, 0)}
+            # blocks 2-4 left the pool for host memory, 3 went on to disk: still held
+            await index.publish(
+                "D", gen, [KVEvent(host, tuple(CHAIN[2:5])), KVEvent(disk, (CHAIN[3],))]
+            )
+            assert tiered(await index.match(CHAIN)) == {"D": (10, 2, 1), "E": (4, 0, 0)}
+            # only the matched blocks count: a chain through block 2
+            assert tiered(await index.match(CHAIN[:3])) == {"D": (3, 1, 0), "E": (3, 0, 0)}
+            # promoted back (STORED), then a tiered block dropped (REMOVED)
+            await index.publish("D", gen, [*stored(CHAIN[2:3]), *removed(CHAIN[4:5])])
+            assert tiered(await index.match(CHAIN)) == {"D": (4, 0, 1), "E": (4, 0, 0)}
+            assert tiered(await index.match(CHAIN, role="decode"))["D"] == (4, 0, 1)
+            # a worker that registers again starts with no tier entries, and its old
+            # registration's are reaped with its block entries
+            gen2 = await index.register(decode("D"))
+            await index.publish("D", gen2, stored(CHAIN))
+            assert tiered(await index.match(CHAIN))["D"] == (10, 0, 0)
+            assert (await index.reap()).num_registrations == 1
+            with raw_client(redis_url) as raw:
+                assert raw.keys(index.key("tier:*")) == []
+            assert await index.tiers([("D", gen2)]) == [{}]
+
+    asyncio.run(body())
+
+
 def test_heartbeat_renews_lease_and_updates_load(redis_url: str) -> None:
     async def body() -> None:
         async with open_index(redis_url) as index:
@@ -233,6 +270,11 @@ def test_deregister_and_reap_leave_nothing_behind(redis_url: str) -> None:
             gen_b = await index.register(decode("B:with:colons"))
             await index.publish("A", gen_a, stored(CHAIN))
             await index.publish("B:with:colons", gen_b, stored(FORK))
+            demoted = [KVEvent(KVEventKind.DEMOTED_DISK, tuple(FORK[:2]))]
+            await index.publish("B:with:colons", gen_b, demoted)
+            assert await index.tiers([("B:with:colons", gen_b)]) == [
+                {h.hex(): "d" for h in FORK[:2]}
+            ]
             assert not await index.deregister("A", gen_a + 100)  # not that registration
             assert await index.deregister("A", gen_a)
             assert await index.deregister("B:with:colons")

@@ -33,6 +33,7 @@ from pdserve.engine.worker.kv_host_tier import HostKVTier, block_bytes
 BLOCK_SIZE = 4
 NAMESPACE = hash_namespace("tiers")
 STORED, REMOVED = KVEventKind.STORED, KVEventKind.REMOVED
+HOST, DISK = KVEventKind.DEMOTED_HOST, KVEventKind.DEMOTED_DISK
 
 
 def chain(tokens: Sequence[int]) -> list[BlockHash]:
@@ -77,6 +78,12 @@ class FakeTier:
     def hashes(self) -> list[BlockHash]:
         return list(self.held)
 
+    def tier_of(self, block_hash: BlockHash) -> str | None:
+        return "host" if block_hash in self.held else None
+
+    def take_changes(self) -> list[tuple[BlockHash, str | None]]:
+        return []
+
     def clear(self) -> list[BlockHash]:
         dropped = list(self.held)
         self.held.clear()
@@ -103,8 +110,10 @@ def test_an_evicted_cached_block_goes_down_and_stays_held() -> None:
     pool.allocate(2)  # takes both cached blocks: their contents go to the tier first
     assert tier.held == {hashes[0]: blocks[0].block_id, hashes[1]: blocks[1].block_id}
     assert pool.get_cached_block(hashes[0]) is None
-    assert events(pool) == []  # still held by this worker: no REMOVED
+    # still held by this worker: no REMOVED, but the index hears it is in host memory
+    assert events(pool) == [(HOST, 2)]
     assert set(pool.cached_hashes()) == set(hashes)
+    assert [(e.kind, set(e.block_hashes)) for e in pool.snapshot_events()] == [(HOST, set(hashes))]
 
 
 def test_the_tier_dropping_a_block_is_the_removal_the_index_hears() -> None:
@@ -118,7 +127,10 @@ def test_the_tier_dropping_a_block_is_the_removal_the_index_hears() -> None:
     pool.drain_events()
     pool.allocate(2)
     assert list(tier.held) == [hashes[1]]
-    assert [(e.kind, e.block_hashes) for e in pool.drain_events()] == [(REMOVED, (hashes[0],))]
+    assert [(e.kind, e.block_hashes) for e in pool.drain_events()] == [
+        (REMOVED, (hashes[0],)),
+        (HOST, (hashes[1],)),
+    ]
 
 
 def test_a_prefix_continues_through_the_tier_and_is_promoted_in_order() -> None:
@@ -198,6 +210,37 @@ def test_the_host_tier_copies_bytes_both_ways_and_evicts_lru() -> None:
     tier.pin([h[0], h[1]])
     assert tier.demote([(3, h[3])]) == [h[3]]  # every slot pinned: refused, not blocking
     assert len(tier) == 2
+
+
+def test_the_index_hears_each_block_s_tier_from_the_real_tiers(tmp_path: Path) -> None:
+    """A pool over a host tier of one slot and a disk below it: of two evicted blocks one
+    stays in host memory and the other goes on to disk; a disk copy that fails its
+    checksum when it is looked up is a removal; a snapshot republishes each tier."""
+    cache = torch.randn(2, 2, 4, 1, BLOCK_SIZE, 8)
+    disk = DiskKVTier(tmp_path, tuple(cache[:, :, 0].shape), cache.dtype, capacity=4)
+    tier = HostKVTier(cache, capacity=1, disk=disk)
+    pool = BlockPool(4, enable_events=True, lower_tier=tier)
+    h = chain(range(8))
+    blocks = pool.allocate(2)
+    for block, block_hash in zip(blocks, h, strict=True):
+        pool.cache_full_block(block, block_hash)
+    pool.free(blocks)
+    assert events(pool) == [(STORED, 2)]
+    pool.allocate(4)  # both cached blocks are taken: demoted, then h[0] leaves the host
+    assert [(e.kind, e.block_hashes) for e in pool.drain_events()] == [
+        (DISK, (h[0],)),
+        (HOST, (h[1],)),
+    ]
+    assert (tier.tier_of(h[0]), tier.tier_of(h[1])) == ("disk", "host")
+    kinds = [(e.kind, e.block_hashes) for e in pool.snapshot_events()]
+    assert kinds == [(HOST, (h[1],)), (DISK, (h[0],))]
+    with open(disk.path, "r+b") as f:  # h[0]'s payload damaged: it was written first
+        f.seek(HEADER_BYTES + 3)
+        byte = f.read(1)
+        f.seek(HEADER_BYTES + 3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert h[0] not in tier  # the lookup reads it, and its checksum fails
+    assert [(e.kind, e.block_hashes) for e in pool.drain_events()] == [(REMOVED, (h[0],))]
 
 
 # -- the engine -----------------------------------------------------------------------

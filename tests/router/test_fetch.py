@@ -61,6 +61,21 @@ def test_a_measured_push_sooner_than_computing_is_fetched() -> None:
     assert fetch is not None and fetch.fetch_s == pytest.approx(0.010)
 
 
+def test_a_holder_s_tiered_blocks_add_their_copies_to_the_push() -> None:
+    """The holder has the 10 blocks the chosen worker lacks on disk (5 ms a block to read
+    and copy out): a push of 1 ms a block then takes 60 ms, later than computing them
+    (160 tokens at 4,000 tokens/s: 40 ms), so they are computed; at 1,000 tokens/s
+    (160 ms) they are fetched, and the estimate counts the reads."""
+    costs = {"kv_host_promote_us_per_block": 500, "kv_disk_read_us_per_block": 4_500}
+    held = {
+        "a": MatchResult(WorkerInfo("a", "decode", "addr-a", 1, {}), 0),
+        "b": MatchResult(WorkerInfo("b", "decode", "addr-b", 1, costs), 10, 0, 10),
+    }
+    assert choose_fetch("a", held, 400, BLOCK, 4, 4000.0, 0.001) is None
+    fetch = choose_fetch("a", held, 400, BLOCK, 4, 1000.0, 0.001)
+    assert fetch is not None and fetch.fetch_s == pytest.approx(0.060)
+
+
 class Index:
     def __init__(self, **blocks: int) -> None:
         self.blocks = blocks

@@ -142,3 +142,40 @@ def test_a_prefill_worker_holding_the_adapter_is_preferred_by_its_load_in_tokens
     p = pool(match("a", "prefill", 0), match("b", "prefill", 0, queued_prefill_tokens=900))
     choice = placer().choose_prefill(p, 200, {}, None, holds("x"))
     assert choice is not None and choice.worker_id == "a"
+
+
+def tiered(
+    worker_id: str, role: str, matched: int, host: int, disk: int, **load: int
+) -> MatchResult:
+    # the per-block costs each worker measured of its tiers, as its heartbeat reports them
+    costs = {"kv_host_promote_us_per_block": 500, "kv_disk_read_us_per_block": 4_500}
+    info = WorkerInfo(worker_id, role, f"{worker_id}:1", 1, {**costs, **load})
+    return MatchResult(info, matched, host, disk)
+
+
+def test_a_hit_costs_what_bringing_it_back_from_its_tier_costs() -> None:
+    """Two prefill workers hold the same 20 blocks of a prompt: `a` in its device pool,
+    `b` on disk (5 ms a block to read and copy back). At 1,000 tokens/s, computing a
+    block takes 16 ms, so `b`'s hit still saves most of the prompt: `b` beats a worker
+    holding nothing, but `a` beats `b`, and `b` beats a pool holder with a little queue
+    only when that queue outweighs the disk reads."""
+    p = placer()
+    rates = {"a": 1000.0, "b": 1000.0, "c": 1000.0}
+    a, b = match("a", "prefill", 20), tiered("b", "prefill", 20, 0, 20)
+    c = match("c", "prefill", 0)
+    assert p.choose_prefill(pool(b, c), 400, {}, rates).worker_id == "b"  # type: ignore[union-attr]
+    assert p.choose_prefill(pool(a, b), 400, {}, rates).worker_id == "a"  # type: ignore[union-attr]
+    # 100 ms of disk reads on b, 50 ms of queue on a: a; 150 ms of queue: b
+    queued_a = match("a", "prefill", 20, queued_prefill_tokens=50)
+    assert p.choose_prefill(pool(queued_a, b), 400, {}, rates).worker_id == "a"  # type: ignore[union-attr]
+    queued_a = match("a", "prefill", 20, queued_prefill_tokens=150)
+    assert p.choose_prefill(pool(queued_a, b), 400, {}, rates).worker_id == "b"  # type: ignore[union-attr]
+    # a decode worker's hit, in blocks: 20 host blocks at 0.5 ms are worth 0.625 of one
+    # computed block less; 20 disk blocks at 5 ms, 6.25 less
+    assert p.hit_blocks(tiered("d", "decode", 20, 20, 0), 1000.0) == 20 - 0.625
+    assert p.hit_blocks(tiered("d", "decode", 20, 0, 20), 1000.0) == 20 - 6.25
+    assert p.hit_blocks(tiered("d", "decode", 20, 0, 20), None) == 20  # no rate to weigh
+    d_pool, d_disk = match("p", "decode", 20), tiered("q", "decode", 20, 0, 20)
+    decode_rates = {"p": 1000.0, "q": 1000.0}
+    choice = p.choose_decode(pool(d_pool, d_disk), {}, None, decode_rates)
+    assert choice is not None and choice.worker_id == "p"
