@@ -107,6 +107,15 @@ class FirstItemExtras(TypedDict):
     local_prefill_s: float
 
 
+class FetchAccepted(TypedDict):
+    """A prefill replica's answer to `expect_fetch`: whether its receiver (at `address`)
+    expects the fetch for the `prefill` call that follows."""
+
+    worker_id: str
+    address: str
+    fetch_expected: bool
+
+
 class FetchReport(TypedDict):
     """A holder's answer to `push_prefix`: what it sent of the prefix, and how fast."""
 
@@ -158,6 +167,9 @@ class PrefillReport(TypedDict):
     queue_s: float
     compute_s: float
     pack_s: float
+    # a peer fetch's outcome (`pdserve_kv_fetch_total{outcome}`), when one was expected
+    fetch: NotRequired[str]
+    fetched_blocks: NotRequired[int]
 
 
 # -- either worker -> router (heartbeats, /workers) ------------------------------------------
@@ -246,3 +258,7 @@ class PrefillHandle(WorkerHandle, Protocol):
 
     @property
     def prefill(self) -> RemoteMethod: ...
+    @property
+    def expect_fetch(self) -> RemoteMethod: ...
+    @property
+    def cancel_kv(self) -> RemoteMethod: ...

@@ -60,15 +60,14 @@ from pdserve.decode_worker.worker import DecodeWorker, choice_index
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.worker.kv_handoff import KVImportError
 from pdserve.kv_transfer import make_receiver
-from pdserve.kv_transfer.base import ReceiverConfig
 from pdserve.kv_transfer.errors import (
     LeaseExpiredError,
     TransferError,
     TransferTimeoutError,
     UnknownRequestError,
 )
-from pdserve.kv_transfer.torch_payload import layout_of
-from pdserve.runtime.replica import WorkerReplica, resolve_transfer_host
+from pdserve.runtime.fetch_inbox import fetch_outcome
+from pdserve.runtime.replica import WorkerReplica
 
 logger = logging.getLogger(__name__)
 
@@ -89,14 +88,7 @@ class DecodeServer(WorkerReplica):
         super().__init__(config)
         cfg = self.config
         engine = self.engine.engine
-        receiver_config = ReceiverConfig(
-            cluster_token=cfg.cluster_token,
-            layout=layout_of(engine.runner.kv_cache, engine.config.kv_cache_dtype),
-            kv_heads=engine.kv_head_range,
-            host=resolve_transfer_host(cfg.transfer_host),
-            max_lease_s=max(cfg.kv_wait_timeout_s, 1.0),
-            expect_timeout_s=cfg.kv_wait_timeout_s,
-        )
+        receiver_config = self.receiver_config()
         tls = cfg.transfer_tls()
         receiver = make_receiver(cfg.transport, receiver_config, tls=tls)
         # tensor parallel: every rank receives its own KV heads (runtime/tp_ranks.py)
@@ -439,25 +431,15 @@ class DecodeServer(WorkerReplica):
 
     def _fetch_outcome(self, request_id: str, info: dict[str, Any]) -> str:
         """What became of a peer fetch: "used", or why not (`pdserve_kv_fetch_total`)."""
-        if info.get("fetch") in ("used", "already_held"):
-            return str(info["fetch"])
-        error = info.get("fetch_error")
-        cancelled = self._awaiting_kv.get(fetch_id(request_id))
-        if isinstance(error, UnknownRequestError) and cancelled is not None:
-            outcome = cancelled  # the router ended the wait: the holder's push failed
-        elif isinstance(error, TransferTimeoutError | LeaseExpiredError):
-            outcome = "late"
-        elif isinstance(error, KVImportError):
-            outcome = "unusable"
-        else:
-            outcome = "transfer_failed"
-        self._log.log(
-            f"fetch_{outcome}",
-            "%s: fetched prefix not used (%s: %r); computed here",
-            request_id,
-            outcome,
-            error,
-        )
+        outcome = fetch_outcome(info, self._awaiting_kv.get(fetch_id(request_id)))
+        if outcome not in ("used", "already_held"):
+            self._log.log(
+                f"fetch_{outcome}",
+                "%s: fetched prefix not used (%s: %r); computed here",
+                request_id,
+                outcome,
+                info.get("fetch_error"),
+            )
         return outcome
 
     def _local_prefill_reason(self, request_id: str, info: dict[str, Any]) -> str:

@@ -17,8 +17,6 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdserve.cluster.messages import fetch_id
-from pdserve.common.hashing import hash_block_chain
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, EngineClosedError
 from pdserve.engine.llm_engine import LLMEngine
@@ -28,6 +26,7 @@ from pdserve.engine.worker.kv_handoff import KVImportError
 from pdserve.kv_transfer.base import KVReceiver, ReceivedKV
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.kv_transfer.torch_payload import received_tensors
+from pdserve.runtime.fetch_inbox import FetchInbox, import_fetched, prompt_chain
 
 if TYPE_CHECKING:  # ray is imported only where ranks are actors
     from pdserve.runtime.tp_ranks import RankReceivers
@@ -61,6 +60,7 @@ class DecodeWorker:
         self.ranks = ranks
         self.kv_wait_timeout_s = kv_wait_timeout_s
         self.num_local_fallbacks = 0
+        self.fetches = FetchInbox(engine, receiver, kv_wait_timeout_s)
 
     async def start(self, start_ranks: Any = None) -> str:
         """Start the transfer receiver(s); return the address announced in the index.
@@ -74,7 +74,7 @@ class DecodeWorker:
 
     def kv_wait(self, wait_s: float | None) -> float:
         """How long to wait for a request's KV: `wait_s`, at most `kv_wait_timeout_s`."""
-        return self.kv_wait_timeout_s if wait_s is None else min(wait_s, self.kv_wait_timeout_s)
+        return self.fetches.wait_s(wait_s)
 
     def expect_kv(
         self,
@@ -106,9 +106,8 @@ class DecodeWorker:
         self, prompt_token_ids: Sequence[int], cache_salt: str | None, lora: str | None = None
     ) -> list[bytes]:
         """The prompt's block-hash chain in the request's namespace."""
-        engine = self.engine.engine  # immutable settings only: safe off the engine thread
-        namespace = engine.namespace_for(cache_salt, lora)
-        return hash_block_chain(prompt_token_ids, engine.config.block_size, namespace)
+        # immutable settings only: safe off the engine thread
+        return prompt_chain(self.engine.engine, prompt_token_ids, cache_salt, lora)
 
     async def expect_kv_all(
         self,
@@ -161,15 +160,7 @@ class DecodeWorker:
         parallelism (a fetch moves one rank's KV) or when the id is expected already."""
         if self.ranks is not None:
             raise TransferError("a peer fetch does not run with tensor parallelism")
-        chain = self._chain(prompt_token_ids, cache_salt, lora)[:num_blocks]
-        engine = self.engine.engine
-        self.receiver.expect(
-            fetch_id(request_id),
-            self.kv_wait(wait_s),
-            model_id=engine.kv_model_id(lora),
-            block_hashes=chain,
-            leading=True,  # a holder that lost its last blocks sends the rest
-        )
+        self.fetches.expect(request_id, prompt_token_ids, num_blocks, wait_s, cache_salt, lora)
 
     async def generate(
         self,
@@ -210,7 +201,7 @@ class DecodeWorker:
         received = await self._claim(request_id, info, kv_wait_s) if kv_expected else None
         fetched = None
         if fetch_blocks and not kv_expected:
-            fetched = await self._claim_fetch(request_id, info, kv_wait_s)
+            fetched = await self.fetches.claim(request_id, info, kv_wait_s)
         info.update(kv_used=False, first_block=0, ready_s=time.monotonic())
         if received is not None:
             info.update(kv_bytes=received.stats.num_bytes, kv_blocks=received.header.num_blocks)
@@ -253,7 +244,7 @@ class DecodeWorker:
             if kv_expected:  # the KV never came, or could not be used
                 self.num_local_fallbacks += 1
             if fetched is not None:
-                self._import_fetched(engine, request_id, fetched, prompt_token_ids, params, info)
+                import_fetched(engine, request_id, fetched, prompt_token_ids, params, info)
             engine.add_request(request_id, prompt_token_ids, params, stream=True)
             return None
 
@@ -289,49 +280,6 @@ class DecodeWorker:
             )
         async for out in stream:
             yield out
-
-    async def _claim_fetch(
-        self, request_id: str, info: dict[str, Any], wait_s: float | None
-    ) -> ReceivedKV | None:
-        """The fetched prefix's KV (None, "fetch_error" in `info`, when it did not come)."""
-        try:
-            return await self.receiver.claim(fetch_id(request_id), self.kv_wait(wait_s))
-        except TransferError as exc:
-            info["fetch_error"] = exc
-            logger.debug("%s: no fetched prefix (%s); computing it here", request_id, exc)
-            return None
-
-    @staticmethod
-    def _import_fetched(
-        engine: LLMEngine,
-        request_id: str,
-        fetched: ReceivedKV,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        info: dict[str, Any],
-    ) -> None:
-        """Cache the fetched prefix for request `request_id`, added right after on the
-        same thread (held for it until it is admitted)."""
-        header = fetched.header
-        ((_, payload),) = received_tensors(fetched)
-        info.update(fetch_bytes=fetched.stats.num_bytes, fetch_seconds=fetched.stats.seconds)
-        try:
-            n = engine.import_prefix(
-                prompt_token_ids,
-                payload,
-                header.first_block_index,
-                header.block_hashes,
-                params.cache_salt,
-                params.lora,
-                for_request=request_id,
-            )
-        except KVImportError as exc:
-            info["fetch_error"] = exc
-            logger.debug("%s: fetched prefix unusable (%s)", header.request_id, exc)
-            return
-        # none written: this worker held the blocks already (Serve gave the request to
-        # another replica than the one placement chose, or it computed them meanwhile)
-        info.update(fetch="used" if n else "already_held", fetched_blocks=n)
 
     async def _claim(
         self, request_id: str, info: dict[str, Any], wait_s: float | None

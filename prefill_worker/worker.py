@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.cluster.rate_meter import RateMeter
 from pdserve.common.sampling_params import SamplingParams
@@ -21,6 +21,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.worker.kv_handoff import KVExport
 from pdserve.kv_transfer.base import KVSender, TransferStats
 from pdserve.kv_transfer.torch_payload import layout_of
+from pdserve.runtime.fetch_inbox import FetchInbox, import_fetched
 from pdserve.runtime.kv_targets import send_parts, split_targets
 
 if TYPE_CHECKING:  # ray is imported only where ranks are actors
@@ -51,10 +52,13 @@ class PrefillWorker:
         transfer_timeout_s: float = 30.0,
         lease_ms: int = 30_000,
         ranks: RankSenders | None = None,
+        fetches: FetchInbox | None = None,
     ) -> None:
         """`ranks`: a tensor-parallel replica's other ranks, which send their own KV
-        heads (runtime/tp_ranks.py); this process sends rank 0's."""
+        heads (runtime/tp_ranks.py); this process sends rank 0's. `fetches`: this
+        worker's receiver of peer fetches (None: it takes none, e.g. tensor parallel)."""
         self.engine = engine
+        self.fetches = fetches
         self.ranks = ranks
         self.total_kv_heads = engine.engine.model_config.num_kv_heads
         self.sender = sender
@@ -101,18 +105,36 @@ class PrefillWorker:
         params: SamplingParams,
         decode_address: str,
         first_block: int = 0,
+        fetch_blocks: int = 0,
+        fetch_wait_s: float | None = None,
+        info: dict[str, Any] | None = None,
     ) -> PrefillResult:
         """Prefill, then push blocks `first_block`.. of the prompt to `decode_address`
         (a receiver's address, or a tensor-parallel decode replica's: each of its ranks
         gets its own KV heads, from every rank here that holds them).
 
+        `fetch_blocks` (the router had `fetches` expect them): the prompt's first blocks
+        come from the peer holding them, waited for up to `fetch_wait_s`, instead of
+        being computed here; "fetch" or "fetch_error" in `info` says what became of them
+        (runtime/fetch_inbox.py), and the prompt is computed past whatever came.
+
         Raises the transfer's typed error (the decode worker then prefills locally).
         """
         # Prefill samples exactly the first token, as the request would (same seed, filters).
         first_params = dataclasses.replace(params, max_tokens=1, ignore_eos=True, stop=())
+        info = {} if info is None else info
+        fetched = None
+        if fetch_blocks and self.fetches is not None:
+            fetched = await self.fetches.claim(request_id, info, fetch_wait_s)
 
         def start(engine: LLMEngine) -> None:
+            if fetched is not None:
+                import_fetched(engine, request_id, fetched, prompt_token_ids, first_params, info)
             engine.add_request(request_id, prompt_token_ids, first_params, hold_kv=True)
+
+        def release_fetched() -> None:
+            if fetched is not None:
+                fetched.release()
 
         first_token = -1
         arrived = time.monotonic()
@@ -132,7 +154,9 @@ class PrefillWorker:
         try:
             # the KV is exported on the engine thread as soon as the prefill ends, not
             # after the next step (a whole prefill chunk when others are queued)
-            stream = self.engine.stream(request_id, start, on_finish=export_now)
+            stream = self.engine.stream(
+                request_id, start, on_started=release_fetched, on_finish=export_now
+            )
             async for out in stream:
                 first_token = out.token_ids[0]
                 num_cached = out.num_cached_tokens
@@ -181,6 +205,7 @@ class PrefillWorker:
                 request_id, sum(b for b, _ in moved), num_blocks, max(s for _, s in moved)
             )
         finally:
+            release_fetched()  # idempotent: the start may have failed before it ran
             if export is not None:  # sent or failed: its staging region may be reused
                 export.release()
             # not awaited: the result does not depend on it, and it would wait a step

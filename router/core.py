@@ -50,6 +50,7 @@ from pdserve.cluster.log_once import OncePerCause
 from pdserve.cluster.messages import (
     Accepted,
     DecodeHandle,
+    FetchAccepted,
     FetchReport,
     LoadReport,
     LoRAReply,
@@ -162,6 +163,8 @@ class Route:
         self.decision = decision
         self.kv_wait_s = kv_wait_s
         self.fetch = fetch  # the prefix the chosen decode worker gets from a peer
+        self.prefill_fetch: Fetch | None = None  # the prefix the prefill worker gets so
+        self.prefill_fetch_wait_s: float | None = None
         self._held: dict[str, Hold] = {}
 
     def hold(self, what: str, counter: Counter[str], worker_id: str, tokens: int) -> None:
@@ -457,27 +460,51 @@ class RouterCore:
         would take), and reserve the rest in that worker's prefill queue."""
         if local is None:
             return
-        fetch = None
-        if route.placed.matches is not None:
-            fetch = choose_fetch(
-                local.worker_id,
-                route.placed.matches,
-                num_prompt_tokens,
-                self.config.block_size,
-                self.config.kv_fetch_min_blocks,
-                local.tokens_per_s,
-                self.rates.fetch_rate(time.monotonic()),
-            )
+        fetch = self._plan_fetch(route.placed, local, num_prompt_tokens)
         tokens = local.uncached_tokens
         if fetch is not None:
             route.fetch = fetch
-            if fetch.compute_s is not None:
-                cfg = self.config
-                wait = cfg.kv_wait_factor * fetch.compute_s + cfg.kv_wait_floor_s
-                route.kv_wait_s = min(wait, cfg.kv_wait_timeout_s)
+            route.kv_wait_s = self._fetch_wait_s(fetch) or route.kv_wait_s
             fetched = (fetch.num_blocks - fetch.first_block) * self.config.block_size
             tokens = max(tokens - fetched, 1)  # the fetched blocks are not computed there
         route.hold("local", self.load.local_tokens, local.worker_id, tokens)
+
+    def _hold_remote(self, route: Route, remote: Option, num_prompt_tokens: int) -> None:
+        """A prompt the chosen prefill worker prefills: plan its peer fetch, if any (a
+        worker holding more of the prompt, busy elsewhere), and reserve the rest in
+        that worker's queue."""
+        fetch = self._plan_fetch(route.placed, remote, num_prompt_tokens)
+        tokens = remote.uncached_tokens
+        if fetch is not None:
+            route.prefill_fetch = fetch
+            route.prefill_fetch_wait_s = self._fetch_wait_s(fetch)
+            fetched = (fetch.num_blocks - fetch.first_block) * self.config.block_size
+            tokens = max(tokens - fetched, 1)
+        route.hold("prefill", self.load.prefill_tokens, remote.worker_id, tokens)
+
+    def _plan_fetch(self, placed: Placed, where: Option, num_prompt_tokens: int) -> Fetch | None:
+        """The peer fetch for a prompt computed at `where` (router/fetch.py), or None."""
+        if placed.matches is None:
+            return None
+        return choose_fetch(
+            where.worker_id,
+            placed.matches,
+            num_prompt_tokens,
+            self.config.block_size,
+            self.config.kv_fetch_min_blocks,
+            where.tokens_per_s,
+            self.rates.fetch_rate(time.monotonic()),
+        )
+
+    def _fetch_wait_s(self, fetch: Fetch) -> float | None:
+        """How long the receiver waits for a fetch: as for a remote prefill's KV, from
+        what computing the blocks would take (None: not measured, the worker's own)."""
+        if fetch.compute_s is None:
+            return None
+        cfg = self.config
+        return min(
+            cfg.kv_wait_factor * fetch.compute_s + cfg.kv_wait_floor_s, cfg.kv_wait_timeout_s
+        )
 
     async def route(
         self,
@@ -511,8 +538,7 @@ class RouterCore:
             )
         route = Route(placed, decision, kv_wait_s(self.config, decision))
         if decision.where == "remote" and placed.remote is not None:
-            r = placed.remote
-            route.hold("prefill", self.load.prefill_tokens, r.worker_id, r.uncached_tokens)
+            self._hold_remote(route, placed.remote, len(prompt_ids))
         elif decision.where == "local":
             self._hold_local(route, placed.local, len(prompt_ids))
         return route
@@ -1002,7 +1028,14 @@ class RouterCore:
         assert self.prefill is not None  # disaggregated mode
         p_target = p.worker_id if p is not None else None
         # the carrier only when tracing: the workers' signatures stay optional
-        extra = {} if trace is None else {"trace": trace}
+        extra: dict[str, Any] = {} if trace is None else {"trace": trace}
+        fetch = route.prefill_fetch
+        if fetch is not None and p_target is not None:
+            fetched = await self._prefill_fetch(
+                request_id, prompt_ids, params, fetch, route.prefill_fetch_wait_s, p_target
+            )
+            if fetched:
+                extra.update(fetch_blocks=fetch.num_blocks, fetch_wait_s=route.prefill_fetch_wait_s)
         try:
             result: PrefillReport = await self.prefill.prefill.remote(
                 request_id,
@@ -1029,6 +1062,9 @@ class RouterCore:
             return
         finally:
             route.release("prefill")
+        if "fetch" in result:
+            self.metrics.fetches.labels(result["fetch"]).inc()
+            self.metrics.fetch_blocks.inc(result.get("fetched_blocks", 0))
         if report is not None:
             report.update(result)
         served = result.get("worker_id") or p_target
@@ -1052,6 +1088,62 @@ class RouterCore:
         m.ttft_stage.labels("prefill_compute").observe(result["compute_s"])
         m.ttft_stage.labels("transfer").observe(result["pack_s"] + result["transfer_s"])
 
+    async def _prefill_fetch(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        fetch: Fetch,
+        wait_s: float | None,
+        p_target: str,
+    ) -> bool:
+        """Have the chosen prefill worker expect the prefix `fetch` names and its holder
+        push it there, before the prefill call (which would wait for it anyway). True
+        when the prefill worker expects it (the push done, or failed and the worker told
+        why); False (counted `refused`) when it would not: the prompt is then computed
+        there whole.
+
+        NOTE: the push is awaited before the prefill call is made, not beside it: on
+        Ray Serve 2.5x with this router, a push to one prefill replica made while a call
+        to another one of the same handle waited on it sometimes never reached its
+        replica (tests/router/test_peer_fetch_cluster.py, 2 of 3 runs, cause not found).
+        The wait is bounded by the fetch's own; past it the push is abandoned and the
+        prefill worker told (`late`)."""
+        assert self.prefill is not None
+        try:
+            accepted: FetchAccepted = await asyncio.wait_for(
+                self.prefill.expect_fetch.remote(
+                    request_id,
+                    prompt_ids,
+                    fetch.num_blocks,
+                    wait_s,
+                    params.cache_salt,
+                    params.lora,
+                    target_replica=p_target,
+                ),
+                _STATE_TIMEOUT_S,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a dead replica, an older one: Ray's error types
+            logger.debug("%s: prefill worker %s takes no fetch (%r)", request_id, p_target, exc)
+            accepted = {"worker_id": "", "address": "", "fetch_expected": False}
+        if not accepted["fetch_expected"]:
+            self.metrics.fetches.labels("refused").inc()
+            return False
+        push = asyncio.create_task(
+            self._fetch(
+                request_id, prompt_ids, params, fetch, accepted["address"], p_target, "prefill"
+            )
+        )
+        limit = self.config.kv_wait_timeout_s if wait_s is None else wait_s
+        done, _ = await asyncio.wait([push], timeout=limit)
+        if not done:
+            push.cancel()
+            await asyncio.wait([push])
+            await self._cancel_kv(fetch_id(request_id), "late", p_target, "prefill")
+        return True
+
     async def _fetch(
         self,
         request_id: str,
@@ -1060,10 +1152,12 @@ class RouterCore:
         fetch: Fetch,
         address: str,
         receiver: str | None,
+        receiver_role: str = "decode",
     ) -> None:
-        """Have `fetch.holder` push the prefix to `address` (the receiver of decode replica
-        `receiver`, which expects it); on failure tell the receiver to stop waiting and
-        compute the prompt now (the outcome it reports says why)."""
+        """Have `fetch.holder` push the prefix to `address` (the receiver of replica
+        `receiver` of `receiver_role`'s pool, which expects it); on failure tell the
+        receiver to stop waiting and compute the prompt now (the outcome it reports says
+        why)."""
         fid = fetch_id(request_id)
         try:
             holder = self.prefill if fetch.holder_role == "prefill" else self.decode
@@ -1094,18 +1188,23 @@ class RouterCore:
                 exc,
                 receiver,
             )
-            await self._cancel_kv(fid, reason, receiver)
+            await self._cancel_kv(fid, reason, receiver, receiver_role)
             return
         if receiver is not None:
             seconds, blocks = result["seconds"], result["num_blocks"]
             self.rates.fetch_done(fetch.holder, receiver, seconds, blocks, time.monotonic())
         self.metrics.fetch_bytes.inc(result["num_bytes"])
 
-    async def _cancel_kv(self, request_id: str, reason: str, worker_id: str | None) -> None:
-        """Tell the decode worker waiting for `request_id`'s KV to prefill it now."""
+    async def _cancel_kv(
+        self, request_id: str, reason: str, worker_id: str | None, role: str = "decode"
+    ) -> None:
+        """Tell the worker (of `role`'s pool) waiting for `request_id`'s KV to compute
+        the prompt now."""
+        pool = self.prefill if role == "prefill" else self.decode
+        assert pool is not None
         try:
             reached = await asyncio.wait_for(
-                self.decode.cancel_kv.remote(request_id, reason, target_replica=worker_id),
+                pool.cancel_kv.remote(request_id, reason, target_replica=worker_id),
                 _STATE_TIMEOUT_S,
             )
         except asyncio.CancelledError:

@@ -33,7 +33,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora.adapter import LoRAError, LoRAInUseError
 from pdserve.kv_transfer import make_sender
-from pdserve.kv_transfer.base import KVSender, tune_malloc
+from pdserve.kv_transfer.base import KVSender, ReceiverConfig, tune_malloc
 from pdserve.kv_transfer.errors import HolderGoneError
 from pdserve.kv_transfer.torch_payload import layout_of
 from pdserve.runtime.index_member import IndexMember, LastKnownLoad
@@ -234,6 +234,20 @@ class WorkerReplica:
             "num_bytes": stats.num_bytes,
             "seconds": stats.seconds,
         }
+
+    def receiver_config(self) -> ReceiverConfig:
+        """The KV receiver's settings for this replica's engine (a decode worker's
+        handoffs and either pool's peer fetches)."""
+        cfg = self.config
+        engine = self.engine.engine  # immutable settings only
+        return ReceiverConfig(
+            cluster_token=cfg.cluster_token,
+            layout=layout_of(engine.runner.kv_cache, engine.config.kv_cache_dtype),
+            kv_heads=engine.kv_head_range,
+            host=resolve_transfer_host(cfg.transfer_host),
+            max_lease_s=max(cfg.kv_wait_timeout_s, 1.0),
+            expect_timeout_s=cfg.kv_wait_timeout_s,
+        )
 
     async def index_load(self) -> dict[str, int]:
         """The gauges each heartbeat publishes (the router's /metrics shows them)."""

@@ -35,6 +35,8 @@ from pdserve.kv_transfer.errors import (
 )
 from pdserve.kv_transfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
 from pdserve.kv_transfer.torch_payload import layout_of
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.runtime.fetch_inbox import FetchInbox
 from pdserve.runtime.prefix_push import push_prefix
 
 TOKEN = "cluster-token"
@@ -242,3 +244,52 @@ def test_damaged_bytes_are_refused_and_computed(model_dir: Path, hf_greedy: Any)
 
     info = _serve_without(model_dir, hf_greedy, corrupt)
     assert isinstance(info["fetch_error"], ChecksumMismatchError)
+
+
+@pytest.mark.parametrize(("transport", "kv_dtype"), [("loopback", "auto"), ("grpc", "int8")])
+def test_a_prefill_worker_fetches_the_prefix_then_prefills_and_pushes_the_rest(
+    model_dir: Path, hf_greedy: Any, transport: str, kv_dtype: str
+) -> None:
+    """Disaggregated: the holder (a decode worker that served the history) pushes the
+    history's blocks to a prefill worker's receiver; the prefill worker writes them into
+    its pool, computes only the rest of the prompt, and pushes the prompt's KV to the
+    decode worker, which streams the reference tokens."""
+    history, turn = _conversation()
+    quantized = {} if kv_dtype == "auto" else {"kv_cache_dtype": kv_dtype}
+    reference = hf_greedy(model_dir, [turn], MAX_TOKENS, **quantized)[0]
+
+    async def run() -> None:
+        make_recv, sender = _transport(transport)
+        async with pair(model_dir, make_recv, sender, kv_dtype=kv_dtype) as p:
+            await p.serve_on_holder([*history, 1])
+            # the prefill worker: an engine of its own, with a receiver for fetches
+            p_engine = _engine(model_dir, kv_dtype)
+            layout = layout_of(p_engine.engine.runner.kv_cache, kv_dtype)
+            p_recv = make_recv(ReceiverConfig(TOKEN, layout, host="127.0.0.1"))
+            inbox = FetchInbox(p_engine, p_recv, WITHIN_S)
+            prefill = PrefillWorker(p_engine, sender, TOKEN, fetches=inbox)
+            try:
+                d_address, p.address = p.address, await p_recv.start()  # the holder pushes to P
+                n = (len(turn) - 1) // BLOCK
+                inbox.expect("r", turn, n)
+                p.receiver.expect_kv("r", turn, WITHIN_S)
+
+                async def decode() -> list[int]:
+                    stream = p.receiver.generate("r", turn, GREEDY, kv_expected=True)
+                    return [out async for out in stream][-1].token_ids
+
+                served = asyncio.create_task(decode())
+                stats = await p.push("r", turn, n)
+                info: dict[str, Any] = {}
+                result = await prefill.prefill("r", turn, GREEDY, d_address, 0, n, WITHIN_S, info)
+                assert await served == reference
+                # the holder has the history's 10 full blocks of the 11 asked for
+                assert info["fetch"] == "used" and info["fetched_blocks"] == 10 == stats.num_blocks
+                assert result.num_cached_tokens == 10 * BLOCK  # computed only the rest
+                assert p_recv.num_pending == 0
+                p_engine.engine.block_pool.check_no_leaks()
+            finally:
+                await p_recv.close()
+                await p_engine.close()
+
+    asyncio.run(asyncio.wait_for(run(), 120))

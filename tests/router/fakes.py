@@ -297,10 +297,36 @@ class FakePrefill:
         self.blocks_sent = 5
         self.block_bytes = 4096
         self.pushes: list[dict[str, Any]] = []  # push_prefix calls (as a fetch's holder)
+        self.address = f"{worker_id}.kv:7000"  # its receiver, for peer fetches
+        self.fetches: dict[str, int] = {}  # expect_fetch calls: request id -> blocks
+        self.fetch_cancels: list[tuple[str, str]] = []  # cancel_kv calls (id, reason)
 
     @property
     def prefill(self) -> _PrefillMethod:
         return _PrefillMethod(self._prefill)
+
+    @property
+    def expect_fetch(self) -> _PrefillMethod:
+        return _PrefillMethod(self._expect_fetch)
+
+    @property
+    def cancel_kv(self) -> _PrefillMethod:
+        return _PrefillMethod(self._cancel_kv)
+
+    async def _expect_fetch(
+        self, request_id: str, prompt_token_ids: list[int], num_blocks: int,
+        wait_s: float | None = None, cache_salt: str | None = None, lora: str | None = None,
+        target_replica: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        self.log.append(("expect_fetch", self.worker_id, request_id))
+        self.fetches[request_id] = num_blocks
+        return {"worker_id": self.worker_id, "address": self.address, "fetch_expected": True}
+
+    async def _cancel_kv(
+        self, request_id: str, reason: str = "", target_replica: str | None = None
+    ) -> str:
+        self.fetch_cancels.append((request_id, reason))
+        return self.worker_id
 
     @property
     def push_prefix(self) -> _PrefillMethod:
@@ -348,7 +374,15 @@ class FakePrefill:
             raise
         if self.error is not None:
             raise self.error
-        return self.report(prompt_token_ids)
+        report = self.report(prompt_token_ids)
+        if kw.get("fetch_blocks"):  # the fetch came (a test that spoils it says so)
+            cancelled = [reason for r, reason in self.fetch_cancels if r == f"{request_id}#fetch"]
+            if cancelled:
+                report.update(fetch=cancelled[0], fetched_blocks=0)
+            else:
+                report.update(fetch="used", fetched_blocks=kw["fetch_blocks"])
+                report["num_cached_tokens"] = kw["fetch_blocks"] * 16
+        return report
 
     def report(self, prompt_token_ids: Sequence[int]) -> dict[str, Any]:
         return {

@@ -233,3 +233,61 @@ async def test_a_prompt_left_to_the_decode_worker_fetches_from_a_prefill_worker(
     assert _fetch_counts(c) == {"used": 1}
     assert c.local_prefills() == {"policy": 1}
     c.assert_nothing_held()
+
+
+@in_loop
+async def test_a_prompt_sent_to_the_prefill_pool_fetches_its_prefix_from_the_holder() -> None:
+    """Disaggregated, every prompt prefilled remotely: the decode worker holds the
+    prompt's 6 full blocks (an earlier turn), the prefill worker none. The prefill
+    worker would compute all of them to prefill the rest; instead it expects them
+    (`expect_fetch`), the holder pushes them to its receiver, and its prefill call says
+    how many it fetched. Its queue is charged only what it computes."""
+    c = Cluster("d0", disagg_policy="always")
+    d0 = c.decode["d0"]
+    c.index.add("d0", "decode", matched_blocks=6)
+    d0.script["r1"] = [output(11, kv_used=True), output(12, finished=True)]
+    try:
+        items = await drain(c.core.generate("r1", PROMPT, SamplingParams(max_tokens=2), 0.0))
+    finally:
+        c.close()
+    assert tokens(items) == [11, 12]
+    assert c.decisions("remote", "always") == 1
+    assert c.prefill.fetches == {"r1": 6}
+    push = {"fetch": "r1#fetch", "num_blocks": 6, "first_block": 0, "to": c.prefill.address}
+    assert d0.pushes == [push]
+    (call,) = c.prefill.calls
+    assert (call["fetch_blocks"], call["first_block"]) == (6, 6)  # D holds them: not sent
+    assert c.log.index(("expect_fetch", "p0", "r1")) < c.log.index(("prefill", "p0", "r1"))
+    assert _fetch_counts(c) == {"used": 1}
+    assert c.metric("pdserve_kv_fetch_blocks_total") == 6
+    assert c.local_prefills() == {}
+    c.assert_nothing_held()
+
+
+@in_loop
+async def test_a_failed_push_to_the_prefill_worker_frees_it_to_compute() -> None:
+    """The holder's push to the prefill worker fails: the router tells the prefill
+    worker to stop waiting (`cancel_kv` on the prefill pool), and the prefill worker's
+    report says why; the request is served."""
+    c = Cluster("d0", disagg_policy="always")
+    d0 = c.decode["d0"]
+    c.index.add("d0", "decode", matched_blocks=6)
+    d0.push_error = RuntimeError("holder died")
+    d0.script["r1"] = [output(11, kv_used=True), output(12, finished=True)]
+    hold = asyncio.Event()
+    c.prefill.hold = hold  # the prefill waits for its fetch while the push fails
+    try:
+        gen = c.core.generate("r1", PROMPT, SamplingParams(max_tokens=2), 0.0)
+        first = asyncio.create_task(take(gen))
+        await eventually(
+            "the prefill worker told to stop waiting",
+            lambda: c.prefill.fetch_cancels == [("r1#fetch", "holder_failed")],
+        )
+        hold.set()
+        items = [await first, *(await drain(gen))]
+    finally:
+        c.close()
+    assert tokens(items) == [11, 12]
+    assert _fetch_counts(c) == {"holder_failed": 1}
+    assert c.metric("pdserve_kv_fetch_blocks_total") == 0
+    c.assert_nothing_held()

@@ -1,5 +1,6 @@
-"""Peer fetch on a real cluster: two decode workers, `pdserve up`, colocated, and
-disaggregated with prompts the router leaves to the decode workers.
+"""Peer fetch on a real cluster: two decode workers, `pdserve up`, colocated,
+disaggregated with prompts the router leaves to the decode workers, and disaggregated
+with every prompt prefilled by one of two prefill workers, which fetches.
 
 A conversation's history is served by one worker; its next turns are placed round-robin,
 so one lands on the other worker, which does not hold the history. The holder pushes
@@ -41,6 +42,12 @@ MODES = {
         *("--mode", "disagg", "--prefill-replicas", "1"),
         *("--disagg-policy", "conditional", "--local-prefill-max-tokens", "400"),
     ),
+    # every prompt goes to the prefill pool, round-robin over two prefill workers: the
+    # turn's prefill worker lacks the history that the other one (and a decode worker)
+    # holds, and fetches it before it prefills the rest
+    "disagg-prefill": (
+        *("--mode", "disagg", "--prefill-replicas", "2", "--disagg-policy", "always"),
+    ),
 }
 
 
@@ -52,7 +59,14 @@ def fetches(api: Any, url: str) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    ("mode", "transport"), [("colocated", "grpc"), ("colocated", "ucx"), ("disagg", "grpc")]
+    ("mode", "transport"),
+    [
+        ("colocated", "grpc"),
+        ("colocated", "ucx"),
+        ("disagg", "grpc"),
+        ("disagg-prefill", "ucx"),
+        ("disagg-prefill", "grpc"),
+    ],
 )
 def test_a_turn_placed_away_from_its_history_fetches_it(
     api: Any, make_checkpoint: Any, pdserve_up: Any, hf_greedy: Any, mode: str, transport: str
@@ -88,3 +102,6 @@ def test_a_turn_placed_away_from_its_history_fetches_it(
         assert api.metric(url, "pdserve_kv_fetch_bytes_total") > 0
         failed = {k: v for k, v in counts.items() if k not in ("used", "already_held") and v}
         assert not failed, counts
+        if mode == "disagg-prefill":  # the split happened for every request
+            assert api.local_prefills(url) == {}
+            assert api.metric(url, "pdserve_kv_transfer_blocks_total") > 0
