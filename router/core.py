@@ -477,9 +477,12 @@ class RouterCore:
         tokens = remote.uncached_tokens
         if fetch is not None:
             route.prefill_fetch = fetch
-            route.prefill_fetch_wait_s = self._fetch_wait_s(fetch)
+            wait = route.prefill_fetch_wait_s = self._fetch_wait_s(fetch)
             fetched = (fetch.num_blocks - fetch.first_block) * self.config.block_size
             tokens = max(tokens - fetched, 1)
+            if route.kv_wait_s is not None:  # the prefill starts once the fetch is in
+                fetch_s = self.config.kv_wait_timeout_s if wait is None else wait
+                route.kv_wait_s = min(route.kv_wait_s + fetch_s, self.config.kv_wait_timeout_s)
         route.hold("prefill", self.load.prefill_tokens, remote.worker_id, tokens)
 
     def _plan_fetch(self, placed: Placed, where: Option, num_prompt_tokens: int) -> Fetch | None:
