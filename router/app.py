@@ -71,6 +71,7 @@ from pdserve.router.protocol import (
 from pdserve.router.result_cache import HEADER as RESULT_CACHE_HEADER
 from pdserve.router.result_cache import CachePlan, ResultCache
 from pdserve.router.scaler import set_replicas_async
+from pdserve.router.serve_calls import detach
 from pdserve.router.tool_calls import (
     ToolCall,
     ToolCallDelta,
@@ -257,18 +258,19 @@ async def pools_health(core: RouterCore, index_error: str) -> JSONResponse:
     """/health without the index: 200 "degraded" if one replica of every pool answers
     `load` within POOL_HEALTH_TIMEOUT_S, else 503 naming the pools that did not."""
     pools = {"decode": core.decode, "prefill": core.prefill}
-    answered: dict[str, bool] = {}
-    # NOTE: one pool after the other: concurrent calls from one HTTP request share its
-    # Serve request id, which Ray Serve's router cannot tell apart (see RouterCore).
-    for role, handle in pools.items():
-        if handle is None:
-            continue
+
+    async def answers(role: str, handle: Any) -> bool:
         try:
             await asyncio.wait_for(handle.load.remote(), POOL_HEALTH_TIMEOUT_S)
-            answered[role] = True
+            return True
         except Exception as exc:  # no replica, a dead one, or too slow: not serving
             logger.debug("health: the %s pool did not answer (%r)", role, exc)
-            answered[role] = False
+            return False
+
+    # both pools at once: each call is a Serve request of its own (router/serve_calls.py)
+    asked = {role: handle for role, handle in pools.items() if handle is not None}
+    results = await asyncio.gather(*(answers(role, h) for role, h in asked.items()))
+    answered = dict(zip(asked, results, strict=True))
     ok = all(answered.values())
     body = {
         "status": "degraded" if ok else "unavailable",
@@ -295,6 +297,9 @@ class Router:
         )
         self.tracer = tracing.tracer("router")  # None unless OTEL_* variables ask for it
         self.router_metrics = RouterMetrics()
+        # every call on a pool is a Serve request of its own (router/serve_calls.py)
+        prefill = None if prefill is None else detach(prefill)
+        decode = None if decode is None else detach(decode)
         self.by_model = served_models(
             cfg, prefill, decode, self.redis, self.tracer, self.router_metrics
         )

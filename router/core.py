@@ -86,6 +86,7 @@ logger = logging.getLogger(__name__)
 
 _INDEX_TIMEOUT_S = 0.5  # placement never waits longer than this for Redis
 _STATE_TIMEOUT_S = 5.0
+_STATE_CALLS = 64  # `/workers`: calls to workers at once
 # An adapter's load reads its folder and copies its weights: seconds for large ones.
 LORA_CALL_TIMEOUT_S = 120.0
 
@@ -320,11 +321,15 @@ class RouterCore:
             # replica of its pool took the call; the report's keys, then the index's
             return cast(WorkerState, {**state, **base, "answered_by": state.get("worker_id")})
 
-        # NOTE: one at a time, on purpose. Calls made while serving one HTTP request share
-        # its Serve request id, and Ray Serve 2.60's request router indexes requests that
-        # wait for a replica by that id: concurrent calls to one deployment from one
-        # request collide there and some are never routed (seen as timeouts).
-        return [await ask(w) for w in workers]
+        # concurrently, at most _STATE_CALLS at once: each call is a Serve request of its
+        # own (router/serve_calls.py), so they do not collide in Serve's request router
+        limit = asyncio.Semaphore(_STATE_CALLS)
+
+        async def bounded(w: WorkerInfo) -> WorkerState:
+            async with limit:
+                return await ask(w)
+
+        return list(await asyncio.gather(*(bounded(w) for w in workers)))
 
     async def place(
         self,
@@ -1106,12 +1111,12 @@ class RouterCore:
         why); False (counted `refused`) when it would not: the prompt is then computed
         there whole.
 
-        NOTE: the push is awaited before the prefill call is made, not beside it: on
-        Ray Serve 2.5x with this router, a push to one prefill replica made while a call
-        to another one of the same handle waited on it sometimes never reached its
-        replica (tests/router/test_peer_fetch_cluster.py, 2 of 3 runs, cause not found).
-        The wait is bounded by the fetch's own; past it the push is abandoned and the
-        prefill worker told (`late`)."""
+        The push is awaited before the prefill call is made, not beside it. (Beside it,
+        the push sometimes never reached its replica: both calls had the client
+        request's Serve id, which Serve's request router cannot tell apart; each call
+        has its own now, router/serve_calls.py, but the order stays: the prefill call
+        would only wait for the push.) The wait is bounded by the fetch's own; past it
+        the push is abandoned and the prefill worker told (`late`)."""
         assert self.prefill is not None
         try:
             accepted: FetchAccepted = await asyncio.wait_for(

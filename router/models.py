@@ -104,7 +104,8 @@ def prefix_matcher(config: ClusterConfig, redis: Any, metrics: ModelMetrics) -> 
 
 
 def pool_handles(config: ClusterConfig) -> tuple[Any | None, Any]:
-    """A model's (prefill, decode) Serve handles, found by name in its own application.
+    """A model's (prefill, decode) Serve handles, found by name in its own application
+    (`detach`ed: each call a Serve request of its own).
 
     The handles are made without asking the controller whether the deployments exist:
     the router and the models' applications are deployed together and build in any
@@ -112,12 +113,15 @@ def pool_handles(config: ClusterConfig) -> tuple[Any | None, Any]:
     """
     from ray import serve
 
+    from pdserve.router.serve_calls import detach
+
     app = model_app_name(config.model_id)
     decode = serve.get_deployment_handle(DECODE_DEPLOYMENT, app_name=app, _check_exists=False)
     prefill = None
     if config.mode == "disagg":
         prefill = serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=app, _check_exists=False)
-    return prefill, decode
+    # every call on a pool is a Serve request of its own (router/serve_calls.py)
+    return None if prefill is None else detach(prefill), detach(decode)
 
 
 def served_models(
