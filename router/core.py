@@ -80,6 +80,7 @@ from pdserve.router.planner_loop import TrafficCounts
 from pdserve.router.prefix_cache import CachedTokens
 from pdserve.router.priority import prefill_queue_bound_s
 from pdserve.router.request_router import DEPARTURES
+from pdserve.router.serve_calls import cancelling
 from pdserve.router.timeline import RouterTimeline
 
 logger = logging.getLogger(__name__)
@@ -1045,14 +1046,17 @@ class RouterCore:
             if fetched:
                 extra.update(fetch_blocks=fetch.num_blocks, fetch_wait_s=route.prefill_fetch_wait_s)
         try:
-            result: PrefillReport = await self.prefill.prefill.remote(
-                request_id,
-                prompt_ids,
-                params,
-                decode_address,
-                first_block=first_block,
-                target_replica=p_target,
-                **extra,
+            # cancelled with this request (its client went away): stop the prefill too
+            result: PrefillReport = await cancelling(
+                self.prefill.prefill.remote(
+                    request_id,
+                    prompt_ids,
+                    params,
+                    decode_address,
+                    first_block=first_block,
+                    target_replica=p_target,
+                    **extra,
+                )
             )
         except asyncio.CancelledError:
             raise
@@ -1170,16 +1174,19 @@ class RouterCore:
         try:
             holder = self.prefill if fetch.holder_role == "prefill" else self.decode
             assert holder is not None
+            # a push nobody waits for any more (the request ended, late) stops
             result: FetchReport = await asyncio.wait_for(
-                holder.push_prefix.remote(
-                    fid,
-                    prompt_ids,
-                    fetch.num_blocks,
-                    fetch.first_block,
-                    address,
-                    params.cache_salt,
-                    target_replica=fetch.holder,
-                    **({} if params.lora is None else {"lora": params.lora}),
+                cancelling(
+                    holder.push_prefix.remote(
+                        fid,
+                        prompt_ids,
+                        fetch.num_blocks,
+                        fetch.first_block,
+                        address,
+                        params.cache_salt,
+                        target_replica=fetch.holder,
+                        **({} if params.lora is None else {"lora": params.lora}),
+                    )
                 ),
                 self.config.transfer_timeout_s + _STATE_TIMEOUT_S,
             )

@@ -19,17 +19,36 @@ cancelling the request cancels its calls. Both are wrong for the router's calls:
 
 So each call goes out under a request context of its own: the client request's id (for
 logs), a fresh internal id, and no parent to be cancelled with. `detach(handle)` wraps a
-pool's `DeploymentHandle` so that every `.remote(...)` of its methods does this.
+pool's `DeploymentHandle` so that every `.remote(...)` of its methods does this. What
+Serve's parent rule did for the calls that do work on a worker, the router does itself:
+a stream's channel request is aborted (channels.py), and a prefill or a peer push is
+awaited through `cancelling`, which cancels the call on its replica when the router
+stops waiting (its client went away, a timeout).
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import Awaitable
 from typing import Any, TypeVar, cast
 
 from ray.serve import context as serve_context
 
 H = TypeVar("H")
+T = TypeVar("T")
+
+
+async def cancelling(call: Awaitable[T]) -> T:
+    """`await call` (a pool method's response); if this is cancelled, cancel the call on
+    its replica too (best effort: `DeploymentResponse.cancel`)."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        cancel = getattr(call, "cancel", None)
+        if cancel is not None:
+            cancel()
+        raise
 
 
 def detach(handle: H) -> H:

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from ray.serve import context as serve_context
 
-from pdserve.router.serve_calls import DetachedHandle, detach
+from pdserve.router.serve_calls import DetachedHandle, cancelling, detach
+from tests.router.fakes import in_loop
 
 
 class _Method:
@@ -90,6 +91,32 @@ def test_options_stay_detached_and_detach_is_idempotent() -> None:
     assert handle.seen[0]._internal_request_id != "internal-2"
     with pytest.raises(AttributeError):
         detached._private  # noqa: B018 (private names are not methods of the pool)
+
+
+class _Response:
+    """A pool call's response: awaitable, cancellable on its replica."""
+
+    def __init__(self) -> None:
+        self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.cancelled_on_replica = False
+
+    def __await__(self) -> Any:
+        return self.done.__await__()
+
+    def cancel(self) -> None:
+        self.cancelled_on_replica = True
+
+
+@in_loop
+async def test_a_call_the_router_stops_waiting_for_is_cancelled_on_its_replica() -> None:
+    answered, abandoned = _Response(), _Response()
+    answered.done.set_result("report")
+    assert await cancelling(answered) == "report"
+    assert not answered.cancelled_on_replica
+    # the router's wait ends (a client that went away, a timeout): the call is cancelled
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(cancelling(abandoned), 0.01)
+    assert abandoned.cancelled_on_replica
 
 
 @pytest.mark.cluster  # tests/conftest.py, 'test tiers'
