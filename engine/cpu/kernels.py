@@ -1,6 +1,7 @@
 """CPU kernels in C, compiled on first use with the machine's C compiler, called by ctypes.
 
-Only what torch has no good CPU kernel for: attention over the paged KV cache.
+Only what torch has no good CPU kernel for: attention over the paged KV cache, and the
+model's small per-layer ops, where torch's cost is its dispatch.
 - Decode (`csrc/paged_decode.h`), over a cache of the model's dtype (`csrc/paged_decode.c`)
   or an 8-bit one (`csrc/paged_decode_kv8.c`, engine/modeling/kv_quant.py: the rows are dequantized
   as they are read, never copied). SDPA's CPU kernel pays a fixed cost per (sequence, KV
@@ -9,10 +10,15 @@ Only what torch has no good CPU kernel for: attention over the paged KV cache.
 - Prefill (`csrc/paged_prefill.c`), causal over a chunk's cached prefix and itself, all
   chunks of a step in one call: SDPA's fused kernel spent ~22% of a bfloat16 prompt's time
   on ~5% of its FLOPs, and a chunk with a cached prefix needed a gathered copy and a mask.
+- Model ops (`csrc/model_ops.c`, engine/modeling/ops.py's `CpuOps`): the residual add with
+  the RMS norm, the rotary embedding of q and k, SiLU-and-multiply, one call each where
+  torch ran 5-12 ops of a few microseconds. On the mid model at batch 32 this took a
+  2-thread decode step from ~33 to ~30 ms (1 thread: unchanged): ATen had split each small
+  op over the pool, a wake-up and a barrier apiece.
 
 The shared object is built once per source, compiler flags and CPU into a cache folder
 (`$PDSERVE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/pdserve/kernels`, else
-`~/.cache/pdserve/kernels`): the two source files compile in parallel (about 9 s of CPU
+`~/.cache/pdserve/kernels`): the source files compile in parallel (about 9 s of CPU
 each here), then link; concurrent builders each write a private file and rename it into
 place. `PDSERVE_CPU_KERNELS=0` turns the kernels off. Without a compiler, or if
 the build fails, `load()` returns None and callers keep the torch path: the kernels make
@@ -33,7 +39,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,7 +51,12 @@ T = TypeVar("T")
 
 _CSRC = Path(__file__).with_name("csrc")
 _HEADERS = (_CSRC / "paged_decode.h", _CSRC / "paged_prefill_item.h")
-_SOURCES = (_CSRC / "paged_decode.c", _CSRC / "paged_decode_kv8.c", _CSRC / "paged_prefill.c")
+_SOURCES = (
+    _CSRC / "paged_decode.c",
+    _CSRC / "paged_decode_kv8.c",
+    _CSRC / "paged_prefill.c",
+    _CSRC / "model_ops.c",
+)
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC"]
 _BUILD_TIMEOUT_S = 120.0
 _QUERY_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -61,6 +72,9 @@ _FUNCTIONS = {
 # prefill attention (csrc/paged_prefill.c) over a cache of the model's dtype
 _PREFILL_FUNCTIONS = {dtype: f"pd_prefill_{q}" for dtype, q in _QUERY_NAMES.items()}
 PREFILL_HEAD_DIMS = frozenset((32, 64, 128, 256))
+# csrc/model_ops.c: the dtypes it takes (its codes) and its widest norm row
+_OPS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+OPS_MAX_HIDDEN = 16384
 
 
 def _cache_dir() -> Path:
@@ -176,6 +190,113 @@ class CpuKernels:
             self._prefill_fns[dtype] = fn
         # KV cache formats (EngineConfig.kv_cache_dtype) the decode kernel reads
         self.kv_cache_dtypes = frozenset(kv for _, kv in self._fns)
+        i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._norm = _bind(lib.pd_add_rms_norm, ptr, i64, *[ptr] * 4, i64, i64, ctypes.c_float)
+        rotary_args = (ptr, i64, ptr, i64, ptr, i64, ptr, ptr, cint, cint, cint, ptr, ptr, i64)
+        self._rotary = _bind(lib.pd_rotary_neox, *rotary_args)
+        self._silu_mul = _bind(lib.pd_silu_mul, ptr, ptr, i64, i64)
+
+    # -- the model's small ops (csrc/model_ops.c): engine/modeling/ops.py's CpuOps --------
+
+    def takes_ops(self, dtype: torch.dtype, hidden: int) -> bool:
+        """Whether the norm, rotary and SiLU ops run for a model of `dtype` and `hidden`."""
+        return dtype in _OPS_DTYPES and 0 < hidden <= OPS_MAX_HIDDEN
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,  # [T, hidden], rows may be strided
+        weight: torch.Tensor,  # [hidden]
+        eps: float,
+        residual: torch.Tensor | None,  # [T, hidden] contiguous
+        num_threads: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * normalize(s), s) for s = x + residual rounded to x's dtype (or x):
+        what `TorchOps.norm` returns, in one call; new tensors, inputs untouched."""
+        rows, hidden = x.shape
+        _check_ops(x, weight, residual)
+        out = torch.empty((rows, hidden), dtype=x.dtype)
+        summed = x if residual is None else torch.empty_like(out)
+        status = self._norm(
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            None if residual is None else summed.data_ptr(),
+            out.data_ptr(),
+            weight.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            _OPS_DTYPES[x.dtype],
+            num_threads,
+        )
+        _raise_for_op("add_rms_norm", status, x)
+        return out, summed
+
+    def rotary_neox(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        q: torch.Tensor,  # [T, H, D], token rows may be strided, heads contiguous
+        k: torch.Tensor,  # [T, KVH, D], likewise
+        cos: torch.Tensor,  # [max_positions, D] (halves repeated), q's dtype
+        sin: torch.Tensor,
+        num_threads: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated (neox) by the cos/sin rows at `positions`, as `apply_rotary`
+        rounds them; new contiguous tensors."""
+        tokens, heads, head_dim = q.shape
+        kv_heads = k.shape[1]
+        for t in (q, k):
+            if t.dtype != q.dtype or t.stride(2) != 1 or t.stride(1) != head_dim:
+                raise ValueError("rotary_neox takes q and k of one dtype, heads contiguous")
+        if q.dtype not in _OPS_DTYPES or cos.dtype != q.dtype or sin.dtype != q.dtype:
+            raise ValueError(f"rotary_neox does not take {q.dtype} with {cos.dtype} tables")
+        if not (cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape):
+            raise ValueError("cos and sin must be contiguous tables of one shape")
+        if cos.shape[1] != head_dim or positions.dtype != torch.int64 or k.shape[0] != tokens:
+            raise ValueError("positions, q, k and the tables disagree")
+        positions = positions.contiguous()
+        q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
+        k_out = torch.empty((tokens, kv_heads, head_dim), dtype=q.dtype)
+        status = self._rotary(
+            positions.data_ptr(),
+            tokens,
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            q_out.data_ptr(),
+            k_out.data_ptr(),
+            heads,
+            kv_heads,
+            head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.shape[0],
+            _OPS_DTYPES[q.dtype],
+            num_threads,
+        )
+        if status == -3:
+            raise IndexError(f"a position is outside the rotary tables ({cos.shape[0]} rows)")
+        _raise_for_op("rotary_neox", status, q)
+        return q_out, k_out
+
+    def silu_mul(self, gate_up: torch.Tensor, num_threads: int = 1) -> torch.Tensor:
+        """silu(gate) * up for gate_up [T, 2 * I] (gate, then up), as
+        `F.silu(gate) * up` rounds it: [T, I]."""
+        rows, width = gate_up.shape
+        if gate_up.dtype not in _OPS_DTYPES or not gate_up.is_contiguous() or width % 2:
+            raise ValueError(f"silu_mul takes a contiguous [T, 2I] tensor, not {gate_up.dtype}")
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        status = self._silu_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            rows,
+            width // 2,
+            _OPS_DTYPES[gate_up.dtype],
+            num_threads,
+        )
+        _raise_for_op("silu_mul", status, gate_up)
+        return out
 
     def takes(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> bool:
         """Whether `paged_decode` runs for a model of `dtype` over a `kv_cache_dtype` cache."""
@@ -288,6 +409,30 @@ class CpuKernels:
         )
         _raise_for("paged_decode", status, q, k_cache)
         return out
+
+
+def _bind(fn: Any, *argtypes: Any) -> Any:
+    """A model op of csrc/model_ops.c: `argtypes`, then its dtype code and thread count."""
+    fn.restype = ctypes.c_int
+    fn.argtypes = [*argtypes, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def _check_ops(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    hidden = x.shape[-1]
+    if x.dim() != 2 or x.dtype not in _OPS_DTYPES or x.stride(1) != 1 or x.device.type != "cpu":
+        raise ValueError(f"add_rms_norm takes CPU rows [T, hidden], not {tuple(x.shape)}")
+    if weight.dtype != x.dtype or weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError("the norm weight must be a contiguous [hidden] vector of x's dtype")
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()
+    ):
+        raise ValueError("the residual must be a contiguous tensor of x's shape and dtype")
+
+
+def _raise_for_op(op: str, status: int, x: torch.Tensor) -> None:
+    if status:
+        raise ValueError(f"{op} does not take {x.dtype} {tuple(x.shape)}")
 
 
 def _raise_for(kernel: str, status: int, q: torch.Tensor, cache: torch.Tensor) -> None:

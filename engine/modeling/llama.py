@@ -157,8 +157,12 @@ class LlamaModel:
         if lora is not None:
             half = gate_up.shape[1] // 2
             lora.add(i, "gate_up", x, gate_up, (half, half))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self._proj(i, "down", layer.down, F.silu(gate) * up, lora)
+        if self.ops is not None:
+            act = self.ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self._proj(i, "down", layer.down, act, lora)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings [T, hidden]; vocab-parallel: rows outside this rank's shard are
