@@ -209,6 +209,8 @@ class TorchAttentionBackend(AttentionBackend):
                 k, v = self._values(k_rows, k.dtype), self._values(v_rows, v.dtype)
         k_cache.view(-1, row).index_copy_(0, plan["write"], k_rows.reshape(-1, row))
         v_cache.view(-1, row).index_copy_(0, plan["write"], v_rows.reshape(-1, row))
+        if not meta.prefills and meta.decode is not None:  # a decode-only step: no copy
+            return self._decode_rows(q, kv_cache, meta.decode, plan, scale)
         out = torch.empty_like(q)
         if meta.prefills:
             self._prefill_rows(q, k, v, kv_cache, meta, plan, scale, out)
