@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _CSRC = Path(__file__).with_name("csrc")
-_HEADERS = (_CSRC / "paged_decode.h", _CSRC / "paged_prefill_item.h")
+_HEADERS = (_CSRC / "paged_decode.h", _CSRC / "paged_prefill_item.h", _CSRC / "exp2_poly.h")
 _SOURCES = (
     _CSRC / "paged_decode.c",
     _CSRC / "paged_decode_kv8.c",

@@ -23,6 +23,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "exp2_poly.h"
+
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
 /* At least this many elements in a call before its rows go to more than one thread. */
@@ -54,13 +56,7 @@ static inline float exp_any(float x) {
     float t = x * 1.44269504088896341f;
     float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest: |t| < 2^22 */
     float f = t - n;
-    float p = 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6180230e-3f;
-    p = p * f + 5.5503406e-2f;
-    p = p * f + 2.4022652e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    const float p = exp2_poly(f);
     const int32_t whole = (int32_t)n, half = whole / 2;
     union { uint32_t u; float f; } a, b;
     a.u = (uint32_t)(half + 127) << 23;

@@ -31,6 +31,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "exp2_poly.h"
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -48,13 +50,7 @@ static inline float exp_neg(float x) {
     float t = x * 1.44269504088896341f;
     float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest: |t| < 2^22 */
     float f = t - n;
-    float p = 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6180230e-3f;
-    p = p * f + 5.5503406e-2f;
-    p = p * f + 2.4022652e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    const float p = exp2_poly(f);
     union { uint32_t u; float f; } scale_bits;
     scale_bits.u = (uint32_t)((int32_t)n + 127) << 23;
     return x <= -87.0f ? 0.0f : p * scale_bits.f;
