@@ -248,6 +248,21 @@ class ClusterConfig(BaseModel):
             " the decode worker prefills instead (at most max_prefill_queue_s)"
         ),
     )
+    # Before that, a prompt that would queue on the prefill worker goes to its decode
+    # worker when that is sooner, within a budget: at most this share of each decode
+    # worker's time (over a 10 s window) goes to such spills (`prefill_busy`,
+    # router/disagg.py's SpillBudget), so its streams keep most of the TPOT the split
+    # buys. 0: none; prompts then spill only past prefill_spill_queue_s.
+    decode_prefill_share: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description=(
+            "conditional: at most this share of a decode worker's time goes to prompts"
+            " spilled to it because the prefill worker has a queue and it is sooner"
+            " (0: only past prefill_spill_queue_s)"
+        ),
+    )
     kv_wait_factor: float = Field(
         default=2.0,
         ge=1,

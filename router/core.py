@@ -71,7 +71,15 @@ from pdserve.common.hashing import (
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.router.channels import ChannelStream, DecodeChannels, Migrated, RequestRefused
-from pdserve.router.disagg import Decision, Option, RateBook, decide, kv_wait_s, past_bound
+from pdserve.router.disagg import (
+    Decision,
+    Option,
+    RateBook,
+    SpillBudget,
+    decide,
+    kv_wait_s,
+    past_bound,
+)
 from pdserve.router.fetch import Fetch, choose_fetch
 from pdserve.router.load import Hold, LoadBook
 from pdserve.router.metrics import RouterMetrics
@@ -238,6 +246,7 @@ class RouterCore:
         # PDSERVE_TIMELINE_DIR: each request's stages, for benchmarks/timeline.py
         self.timeline = RouterTimeline.from_env(config.model_id)
         self.rates = RateBook()
+        self.spills = SpillBudget.from_config(config)  # D's time for `prefill_busy` spills
         # one token channel per decode replica in use (channels.py)
         self.channels = DecodeChannels(
             decode, config.first_token_timeout_s, self._live_decode_ids, config.heartbeat_s
@@ -360,6 +369,7 @@ class RouterCore:
         self.index_available = True
         # a shortlisted match (cluster/index_follower.py) names every live worker apart
         self.rates.forget_except(getattr(matches, "live", matches))
+        self.spills.forget_except(getattr(matches, "live", matches))
         by_role: dict[str, dict[str, MatchResult]] = {"prefill": {}, "decode": {}}
         for worker_id, m in matches.items():
             # nor one leaving its pool (router/departures.py), until its entry goes
@@ -539,6 +549,8 @@ class RouterCore:
             return self._route_colocated(placed, resume, bound, len(prompt_ids))
         decision = self._decide(placed, resume, bound)
         self.metrics.disagg_decisions.labels(decision.where, decision.reason).inc()
+        if decision.saved_s > 0:
+            self.metrics.disagg_saved.labels(decision.reason).inc(decision.saved_s)
         if decision.where == "shed":
             raise Overloaded(
                 f"the cluster is past its prefill capacity: every worker that could "
@@ -592,9 +604,19 @@ class RouterCore:
             return Decision("local", "resume")
         if not placed.indexed:  # Serve picks both; the split still happens
             return Decision("remote", "unplaced")
-        return decide(
-            self.config, placed.remote, placed.local, placed.decode_running, max_queue_s=bound_s
+        now, local = time.monotonic(), placed.local
+        room = 0.0 if local is None else self.spills.room_s(local.worker_id, now)
+        decision = decide(
+            self.config,
+            placed.remote,
+            local,
+            placed.decode_running,
+            max_queue_s=bound_s,
+            spill_room_s=room,
         )
+        if decision.reason == "prefill_busy" and local is not None and local.own_s is not None:
+            self.spills.take(local.worker_id, local.own_s, now)
+        return decision
 
     async def start(
         self,

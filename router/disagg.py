@@ -24,6 +24,12 @@ The rules, in order (`decide`), each a reason of `pdserve_disagg_decisions_total
 - `faster` (local): D runs at most `local_prefill_max_running` sequences (default 0:
   none would stall) and finishes sooner even with its time weighted by
   1 + `local_prefill_interference` x those sequences, which stall meanwhile.
+- `prefill_busy` (local): P's queue is longer than this prompt's own prefill time on D,
+  D would have the prompt sooner, and D's
+  spill budget covers the prompt's prefill there (`SpillBudget`: at most
+  `decode_prefill_share` of D's time, over a window, goes to prompts spilled this way,
+  so its streams keep the TPOT the split buys). What each spill is predicted to save
+  (P's estimate less D's) is counted (`pdserve_disagg_saved_seconds_total`).
 - `prefill_saturated` (local): P's queue is past `prefill_spill_queue_s` (at most
   `max_prefill_queue_s`) and D's is not, or D finishes the prompt sooner, or P's queue is
   past `max_prefill_queue_s`; never while D's own queue is past that bound.
@@ -44,6 +50,7 @@ Plain Python.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
@@ -55,13 +62,13 @@ from pdserve.cluster.rate_meter import RateMeter
 REASONS: dict[str, tuple[str, ...]] = {
     "remote": ("always", "prefill_idle", "unmeasured", "faster", "unplaced"),
     "local": (
-        *("short_prompt", "faster", "prefill_saturated", "kv_wait_limit"),
+        *("short_prompt", "faster", "prefill_busy", "prefill_saturated", "kv_wait_limit"),
         *("no_prefill_worker", "resume"),
     ),
     "shed": ("over_capacity",),
 }
 # the local decisions that are the policy's choice (local-prefill counter reason "policy")
-POLICY_LOCAL = ("short_prompt", "faster", "prefill_saturated", "kv_wait_limit")
+POLICY_LOCAL = ("short_prompt", "faster", "prefill_busy", "prefill_saturated", "kv_wait_limit")
 RATE_GAUGE = "prefill_tokens_per_s"  # what a prefill worker's heartbeat publishes
 
 
@@ -81,6 +88,13 @@ class Option:
         if self.tokens_per_s is None:
             return None
         return self.queued_tokens / self.tokens_per_s
+
+    @property
+    def own_s(self) -> float | None:
+        """Seconds this prompt's own prefill takes there (no queue, no push)."""
+        if self.tokens_per_s is None:
+            return None
+        return self.uncached_tokens / self.tokens_per_s
 
     @property
     def seconds(self) -> float | None:
@@ -114,6 +128,7 @@ class Decision:
     estimate_s: float | None = None
     retry_after_s: float = 0.0  # shed: how far the shortest queue is past the bound
     latest_s: float | None = None  # remote: done by then at the latest (`Option.latest_s`)
+    saved_s: float = 0.0  # local by choice: P's estimate less D's (what the choice saves)
 
     @property
     def local_prefill_reason(self) -> str | None:
@@ -129,17 +144,23 @@ def decide(
     local: Option | None,
     decode_running: int,
     max_queue_s: float | None = None,
+    spill_room_s: float = 0.0,
 ) -> Decision:
     """Where to prefill (see the module's rules), or shed past capacity.
 
     remote: the chosen prefill worker (None: no prefill worker is live); local: the
     chosen decode worker (None: placement chose none, Serve picks it); decode_running:
     sequences D is decoding; max_queue_s: the shedding bound for this request's
-    priority (priority.py; None: `max_prefill_queue_s`).
+    priority (priority.py; None: `max_prefill_queue_s`); spill_room_s: seconds of
+    prefill D's spill budget still allows (`SpillBudget.room_s`; 0: no `prefill_busy`).
     """
-    choice = _decide(config, remote, local, decode_running, max_queue_s)
+    choice = _decide(config, remote, local, decode_running, max_queue_s, spill_room_s)
     if choice.where == "remote" and remote is not None:
         choice = replace(choice, latest_s=remote.latest_s(config.max_num_batched_tokens))
+    elif choice.reason in POLICY_LOCAL and remote is not None and local is not None:
+        remote_s, local_s = remote.seconds, local.seconds
+        if remote_s is not None and local_s is not None:
+            choice = replace(choice, saved_s=max(0.0, remote_s - local_s))
     return choice
 
 
@@ -149,6 +170,7 @@ def _decide(
     local: Option | None,
     decode_running: int,
     max_queue_s: float | None,
+    spill_room_s: float,
 ) -> Decision:
     bound = config.max_prefill_queue_s if max_queue_s is None else max_queue_s
     if remote is None:
@@ -171,6 +193,8 @@ def _decide(
         and local_s * (1.0 + config.local_prefill_interference * decode_running) < remote_s
     ):
         choice = Decision("local", "faster", local_s)
+    elif _busy_spill(config, remote, local, spill_room_s):
+        choice = Decision("local", "prefill_busy", local_s)
     elif past_bound(remote.queue_s, spill_queue_s(config)) and _spill(config, remote, local):
         choice = Decision("local", "prefill_saturated", local_s)
     else:
@@ -190,6 +214,19 @@ def _decide(
 def spill_queue_s(config: ClusterConfig) -> float:
     """P's queue past which a prompt may spill to D (`prefill_saturated`)."""
     return min(config.prefill_spill_queue_s, config.max_prefill_queue_s)
+
+
+def _busy_spill(config: ClusterConfig, remote: Option, local: Option, room_s: float) -> bool:
+    """Whether D takes a prompt that would queue on P (`prefill_busy`): P's queue ahead
+    of it is at least its own prefill time on D (the budget goes to the prompts that
+    would wait longest: each such spill saves at least what it costs D), D has it
+    sooner, D's own queue is short, and D's spill budget covers the prompt there."""
+    own_s, local_s, remote_s = local.own_s, local.seconds, remote.seconds
+    if own_s is None or local_s is None or remote_s is None or local_s >= remote_s:
+        return False
+    if not past_bound(remote.queue_s, own_s) or own_s > room_s:
+        return False
+    return not past_bound(local.queue_s, spill_queue_s(config))
 
 
 def _spill(config: ClusterConfig, remote: Option, local: Option) -> bool:
@@ -227,6 +264,53 @@ def kv_wait_s(config: ClusterConfig, decision: Decision) -> float | None:
     wait = config.kv_wait_factor * basis + config.kv_wait_floor_s
     return min(wait, config.kv_wait_timeout_s)
 
+
+class SpillBudget:
+    """The share of each decode worker's time that this router may give to prompts it
+    spills from a busy prefill pool (`prefill_busy`).
+
+    A bucket of seconds per decode worker, filled at `share` seconds per second up to
+    `burst_s` and drawn by each spill's estimated prefill time on that worker. A full
+    bucket lets any one prompt through (one longer than the burst too; the bucket then
+    runs into debt and refills from below zero), so over any long window the spills take
+    at most `share` of the worker's time plus one burst. Each router replica keeps its
+    own: the share a replica gets is the cluster's divided by the router replicas.
+    """
+
+    def __init__(self, share: float, burst_s: float) -> None:
+        self.share = share
+        self.burst_s = burst_s
+        self._level: dict[str, tuple[float, float]] = {}  # worker -> (seconds, as of when)
+
+    @classmethod
+    def from_config(cls, config: ClusterConfig) -> SpillBudget:
+        share = config.decode_prefill_share / config.router_replicas
+        return cls(share, share * SPILL_WINDOW_S)
+
+    def _now_level(self, worker_id: str, now_s: float) -> float:
+        level, at = self._level.get(worker_id, (self.burst_s, now_s))
+        return min(self.burst_s, level + self.share * max(0.0, now_s - at))
+
+    def room_s(self, worker_id: str, now_s: float) -> float:
+        """Seconds of prefill a spill onto `worker_id` may take now (inf: a full bucket)."""
+        if self.share <= 0:
+            return 0.0
+        level = self._now_level(worker_id, now_s)
+        return math.inf if level >= self.burst_s else max(0.0, level)
+
+    def take(self, worker_id: str, seconds: float, now_s: float) -> None:
+        """A spill of `seconds` (estimated) onto `worker_id`."""
+        self._level[worker_id] = (self._now_level(worker_id, now_s) - seconds, now_s)
+
+    def forget_except(self, live: Iterable[str]) -> None:
+        keep = set(live)
+        for worker_id in [w for w in self._level if w not in keep]:
+            del self._level[worker_id]
+
+
+# The window over which a decode worker's spill budget evens out: a bucket holds the
+# share of this many seconds.
+SPILL_WINDOW_S = 10.0
 
 # How long a measured fetch rate stands without a new measurement: past it the next
 # candidate fetches, whatever the old rate said, and measures it again.

@@ -19,7 +19,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pdserve.cluster.index_follower import MATCH_SOURCES, SNAPSHOT_REASONS
 from pdserve.cluster.prefix_index import WorkerInfo
-from pdserve.router.disagg import REASONS
+from pdserve.router.disagg import POLICY_LOCAL, REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (
@@ -177,6 +177,7 @@ class ModelMetrics:
         self.hit_tokens = _Partial(p.hit_tokens, model)
         self.local_prefills = _Partial(p.local_prefills, model)
         self.disagg_decisions = _Partial(p.disagg_decisions, model)
+        self.disagg_saved = _Partial(p.disagg_saved, model)
         self.placements = _Partial(p.placements, model)
         self.placement_overrides = _Partial(p.placement_overrides, model)
         self.shed = _Partial(p.shed, model)
@@ -204,6 +205,8 @@ class ModelMetrics:
         for where, reasons in REASONS.items():
             for reason in reasons:
                 self.disagg_decisions.labels(where, reason)
+        for reason in POLICY_LOCAL:
+            self.disagg_saved.labels(reason)
         self._parent = parent
 
     def render(self, workers: Sequence[WorkerInfo]) -> bytes:
@@ -342,6 +345,14 @@ class RouterMetrics:
             "pdserve_disagg_decisions",
             "Where each prompt was prefilled (or why it was shed), by the router's reason",
             ["model", "where", "reason"],
+            registry=r,
+        )
+        self.disagg_saved = Counter(
+            "pdserve_disagg_saved_seconds",
+            "Seconds of time to first token that prompts prefilled on their decode worker by"
+            " choice were predicted to save over the prefill pool (its estimate less the"
+            " decode worker's), by the decision's reason",
+            ["model", "reason"],
             registry=r,
         )
         self.resumes = Counter(

@@ -353,6 +353,36 @@ async def test_past_capacity_start_refuses_before_anything_reaches_a_worker() ->
     c.assert_nothing_held()
 
 
+@in_loop
+async def test_a_busy_prefill_worker_spills_to_a_streaming_decode_worker_within_budget() -> None:
+    """`prefill_busy`: P has 1 s queued, D streams 4 sequences and would have the
+    100-token prompt in 0.1 s: D prefills it, the decision and its predicted saving
+    (1.1 s - 0.1 s) are counted, and D's spill budget (share 0.01: 0.1 s a window) is
+    spent: the next prompt goes through the split."""
+    c = Cluster("d0", decode_prefill_share=0.01)
+    d0 = c.decode["d0"]
+    c.index.add("p0", "prefill", queued_prefill_tokens=RATE, prefill_tokens_per_s=RATE)
+    c.index.add("d0", "decode", running=4)
+    d0.script["r1"] = [output(11, kv_used=False, local_prefill_s=0.1), output(12, True)]
+    d0.script["r2"] = [output(21, kv_used=True), output(22, True)]
+    try:
+        got = await drain(c.core.generate("r1", PROMPT, SamplingParams(max_tokens=2), 0.0))
+        assert tokens(got) == [11, 12]
+        assert c.prefill.calls == [] and d0.submits["r1"]["kv_expected"] is False
+        assert c.decisions("local", "prefill_busy") == 1
+        assert c.local_prefills() == {"policy": 1}
+        saved = c.metric("pdserve_disagg_saved_seconds_total", reason="prefill_busy")
+        assert saved == pytest.approx(1.0, abs=0.01)
+        got = await drain(c.core.generate("r2", PROMPT, SamplingParams(max_tokens=2), 0.0))
+    finally:
+        c.close()
+    assert tokens(got) == [21, 22]
+    assert [call["request_id"] for call in c.prefill.calls] == ["r2"]
+    assert c.decisions("remote", "faster") == 1
+    assert c.decisions("local", "prefill_busy") == 1
+    c.assert_nothing_held()
+
+
 @pytest.mark.parametrize(
     ("error", "reason"),
     [

@@ -15,7 +15,16 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.prefix_index import MatchResult, WorkerInfo
 from pdserve.cluster.rate_meter import RateMeter
 from pdserve.router.core import Placed, Route
-from pdserve.router.disagg import REASONS, Decision, Option, RateBook, decide, kv_wait_s
+from pdserve.router.disagg import (
+    REASONS,
+    SPILL_WINDOW_S,
+    Decision,
+    Option,
+    RateBook,
+    SpillBudget,
+    decide,
+    kv_wait_s,
+)
 from pdserve.router.priority import prefill_queue_bound_s
 
 RATE = 1000.0  # tokens per second, both sides unless a test says otherwise
@@ -100,6 +109,53 @@ def test_a_saturated_prefill_pool_hands_prompts_to_a_decode_worker_within_the_bo
     # D is weighted 11x (0.512 x 11 = 5.6 s > P's 4.6 s) but P's queue is past 4 s
     d = decide(cfg, remote(queued=4100, uncached=512), local(), decode_running=10)
     assert (d.where, d.reason) == ("local", "prefill_saturated")
+
+
+def test_a_busy_prefill_pool_spills_to_a_streaming_decode_worker_within_its_budget() -> None:
+    cfg = config()  # local_prefill_max_running 0: D, streaming, is never "faster"
+    # P: 1,000 tokens queued (1 s) + 0.512 s; D: 0.512 s, its own prefill within the room
+    d = decide(cfg, remote(queued=1000), local(), decode_running=4, spill_room_s=0.6)
+    assert (d.where, d.reason, d.local_prefill_reason) == ("local", "prefill_busy", "policy")
+    assert d.estimate_s == pytest.approx(0.512)
+    assert d.saved_s == pytest.approx(1.0)  # P's 1.512 s less D's 0.512 s
+    # no room left in D's budget (or none given): the split
+    d = decide(cfg, remote(queued=1000), local(), decode_running=4, spill_room_s=0.5)
+    assert (d.where, d.reason, d.saved_s) == ("remote", "faster", 0.0)
+    assert decide(cfg, remote(queued=1000), local(), decode_running=4).where == "remote"
+    # P's queue shorter than the prompt's own time on D (0.4 s < 0.512 s): not worth D's time
+    d = decide(cfg, remote(queued=400), local(), decode_running=4, spill_room_s=10.0)
+    assert (d.where, d.reason) == ("remote", "faster")
+    # D would not have it sooner (its own queue is longer than P's)
+    d = decide(cfg, remote(queued=1000), local(queued=1200), 4, spill_room_s=10.0)
+    assert (d.where, d.reason) == ("remote", "faster")
+    # never onto D past the spill threshold, nor under "always"
+    d = decide(cfg, remote(queued=9000), local(queued=4100), 4, spill_room_s=10.0)
+    assert d.reason != "prefill_busy"
+    always = config(disagg_policy="always")
+    assert decide(always, remote(queued=1000), local(), 4, spill_room_s=10.0).where == "remote"
+
+
+def test_the_spill_budget_refills_at_its_share_and_lets_a_full_bucket_take_any_prompt() -> None:
+    budget = SpillBudget(share=0.1, burst_s=1.0)
+    assert budget.room_s("d", now_s=0.0) == float("inf")  # a new worker: a full bucket
+    budget.take("d", 0.6, now_s=0.0)
+    assert budget.room_s("d", 0.0) == pytest.approx(0.4)
+    assert budget.room_s("d", 2.0) == pytest.approx(0.6)  # + 0.1 s per second
+    budget.take("d", 3.0, now_s=2.0)  # a long prompt runs the bucket into debt
+    assert budget.room_s("d", 2.0) == 0.0
+    assert budget.room_s("d", 26.0) == pytest.approx(0.0)  # -2.4 + 2.4: repaid, no more
+    assert budget.room_s("d", 35.0) == pytest.approx(0.9)
+    assert budget.room_s("d", 100.0) == float("inf")  # full again, and no fuller
+    assert budget.room_s("other", 0.0) == float("inf")  # per worker
+    budget.take("other", 1.0, 0.0)
+    budget.forget_except(["d"])
+    assert budget.room_s("other", 0.0) == float("inf")  # a worker gone and back: new
+    # the cluster's share is split over the router replicas; 0 turns the rule off
+    cfg = config(decode_prefill_share=0.3, router_replicas=3)
+    split = SpillBudget.from_config(cfg)
+    assert split.share == pytest.approx(0.1)
+    assert split.burst_s == pytest.approx(0.1 * SPILL_WINDOW_S)
+    assert SpillBudget.from_config(config(decode_prefill_share=0)).room_s("d", 0.0) == 0.0
 
 
 def test_past_capacity_everywhere_the_request_is_shed() -> None:
