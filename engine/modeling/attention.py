@@ -81,10 +81,14 @@ class AttentionBackend(ABC):
     # Whether the model runs its norms and rotary embedding in Triton kernels with this
     # backend (`engine/modeling/ops.py`): the fused forward, and decode steps as CUDA graphs.
     uses_triton_ops: bool = False
-    # the compiled CPU kernels, whose model ops (engine/modeling/ops.py, CpuOps) go with them
-    cpu_kernels: CpuKernels | None = None
     # "auto" (the model's dtype), or an 8-bit format of engine/modeling/kv_quant.py
     kv_cache_dtype: str = "auto"
+
+    @property
+    def cpu_kernels(self) -> CpuKernels | None:
+        """The compiled CPU kernels, whose model ops (engine/modeling/ops.py, CpuOps) go
+        with them; None: this backend has none."""
+        return None
 
     @abstractmethod
     def forward(
@@ -376,9 +380,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, kernels: CpuKernels, kv_cache_dtype: str = "auto") -> None:
         super().__init__(kv_cache_dtype)
         self.kernels = kernels
-        self.cpu_kernels = kernels
         # the prefill kernel takes the chunks as one PrefillBatch
         self.wants_prefill_batch = not self._quantized
+
+    @property
+    def cpu_kernels(self) -> CpuKernels | None:
+        return self.kernels
 
     def _prefill_rows(
         self,

@@ -1,4 +1,5 @@
-"""The model's normalisation and rotary ops, chosen once per engine from its backend.
+"""The model's normalisation, rotary and SiLU-and-multiply ops, chosen once per engine
+from its backend.
 
 - `TorchOps`: the engine's torch arithmetic. With it the model keeps its plain torch
   forward (`LlamaModel.forward`), token-exact against transformers.
