@@ -12,8 +12,10 @@ worker: queue, compute and KV push, from its report; on the decode worker: from 
 engine's arrival to its first token) and the rest; the mean time per output token; and
 per engine, its steps: how long a step with decode rows took with and without prefill
 tokens beside them, how many prefill tokens shared a step with decodes, and in how many
-chunks a prompt was prefilled. The machine's CPU and flags come first: the figures only
-compare on the same machine.
+chunks a prompt was prefilled. Disaggregated, also how many prompts each of the router's
+decisions sent where (`pdserve_disagg_decisions_total`'s where and reason), with the
+seconds of TTFT the local ones were predicted to save. The machine's CPU and flags come
+first: the figures only compare on the same machine.
 """
 
 from __future__ import annotations
@@ -56,9 +58,14 @@ def requests(router: list[dict[str, Any]], engine_first: dict[str, float]) -> di
             by_rid[e["rid"]].setdefault(e["ev"], e)  # a resumed request: its first attempt
     parts: dict[str, list[float]] = defaultdict(list)
     where: dict[str, int] = defaultdict(int)
+    decided: dict[str, dict[str, float]] = defaultdict(lambda: {"requests": 0, "saved_s": 0.0})
     for rid, ev in by_rid.items():
         if not {"dispatch", "first", "done"} <= ev.keys():
             continue
+        if ev["dispatch"].get("reason"):  # disaggregated: the router's decision, and why
+            d = decided[f"{ev['dispatch']['where']}/{ev['dispatch']['reason']}"]
+            d["requests"] += 1
+            d["saved_s"] += ev["dispatch"].get("saved_s", 0.0)
         arrival = ev["dispatch"]["arrival"]
         ttft = ev["first"]["t"] - arrival
         parts["ttft"].append(ttft)
@@ -80,6 +87,7 @@ def requests(router: list[dict[str, Any]], engine_first: dict[str, float]) -> di
     return {
         "requests": len(parts["ttft"]),
         "where": dict(where),
+        "decisions": {k: dict(v) for k, v in sorted(decided.items())},
         "ms": {k: {"p50": pct(v, 50) * 1e3, "p99": pct(v, 99) * 1e3} for k, v in parts.items()},
     }
 
@@ -147,6 +155,15 @@ def print_summary(s: dict[str, Any]) -> None:
     r = s["requests"]
     where = ", ".join(f"{k} prefill: {v}" for k, v in r["where"].items())
     print(f"{r['requests']} requests finished ({where})")
+    if r["decisions"]:  # where the router prefilled each prompt, and the predicted saving
+        print(
+            "decisions: "
+            + ", ".join(
+                f"{k} {v['requests']:.0f}"
+                + (f" (saved {v['saved_s']:.1f} s)" if v["saved_s"] else "")
+                for k, v in r["decisions"].items()
+            )
+        )
     print("| per request | p50 ms | p99 ms |")
     print("|---|---|---|")
     for k, v in r["ms"].items():

@@ -25,11 +25,11 @@ The rules, in order (`decide`), each a reason of `pdserve_disagg_decisions_total
   none would stall) and finishes sooner even with its time weighted by
   1 + `local_prefill_interference` x those sequences, which stall meanwhile.
 - `prefill_busy` (local): P's queue is longer than this prompt's own prefill time on D,
-  D would have the prompt sooner, and D's
-  spill budget covers the prompt's prefill there (`SpillBudget`: at most
-  `decode_prefill_share` of D's time, over a window, goes to prompts spilled this way,
-  so its streams keep the TPOT the split buys). What each spill is predicted to save
-  (P's estimate less D's) is counted (`pdserve_disagg_saved_seconds_total`).
+  D would have the prompt sooner, and D's spill budget covers the prompt's prefill there
+  (`SpillBudget`: at most `decode_prefill_share` of D's time, over a window, goes to
+  prompts spilled this way, so its streams keep most of the TPOT the split buys). What
+  each local choice is predicted to save (P's estimate less D's) is counted
+  (`pdserve_disagg_saved_seconds_total`).
 - `prefill_saturated` (local): P's queue is past `prefill_spill_queue_s` (at most
   `max_prefill_queue_s`) and D's is not, or D finishes the prompt sooner, or P's queue is
   past `max_prefill_queue_s`; never while D's own queue is past that bound.
@@ -70,6 +70,9 @@ REASONS: dict[str, tuple[str, ...]] = {
 # the local decisions that are the policy's choice (local-prefill counter reason "policy")
 POLICY_LOCAL = ("short_prompt", "faster", "prefill_busy", "prefill_saturated", "kv_wait_limit")
 RATE_GAUGE = "prefill_tokens_per_s"  # what a prefill worker's heartbeat publishes
+# The window over which a decode worker's spill budget evens out: a bucket holds the
+# share of this many seconds (`SpillBudget`).
+SPILL_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -307,10 +310,6 @@ class SpillBudget:
         for worker_id in [w for w in self._level if w not in keep]:
             del self._level[worker_id]
 
-
-# The window over which a decode worker's spill budget evens out: a bucket holds the
-# share of this many seconds.
-SPILL_WINDOW_S = 10.0
 
 # How long a measured fetch rate stands without a new measurement: past it the next
 # candidate fetches, whatever the old rate said, and measures it again.

@@ -38,6 +38,8 @@ class RouterTimeline:
             prefill=p.worker_id if p is not None else None,
             decode=d.worker_id if d is not None else None,
             where=decision.where if decision is not None else "colocated",
+            reason=decision.reason if decision is not None else None,
+            saved_s=decision.saved_s if decision is not None else 0.0,
         )
 
     def prefilled(

@@ -15,7 +15,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.timeline import ENV
 from pdserve.engine import LLM
 from tests.router.fakes import in_loop, output
-from tests.router.test_core import PROMPT, Cluster, drain
+from tests.router.test_core import PROMPT, RATE, Cluster, drain
 
 
 def events(folder: Path, kind: str) -> list[dict]:
@@ -69,10 +69,38 @@ async def test_the_router_writes_each_requests_stages(
     assert got.keys() == {"start", "dispatch", "prefill", "first", "done"}
     d = got["dispatch"]
     assert (d["rid"], d["prefill"], d["decode"], d["where"]) == ("r1", "p0", "d0", "remote")
+    assert (d["reason"], d["saved_s"]) == ("always", 0.0)
     assert d["arrival"] <= d["t"] <= got["first"]["t"] <= got["done"]["t"]
     assert got["first"]["kv_used"] is True and got["done"]["tokens"] == 3
     r = summary.summarize(tmp_path)["requests"]
     assert r["requests"] == 1 and r["where"] == {"remote": 1}
+    assert r["decisions"] == {"remote/always": {"requests": 1, "saved_s": 0.0}}
     assert {"ttft", "router", "tpot", "prefill queue", "prefill compute", "KV push"} <= r[
         "ms"
     ].keys()
+
+
+@in_loop
+async def test_the_summary_counts_each_decision_and_its_predicted_saving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt spilled from a busy prefill worker (`prefill_busy`, as in test_core's
+    spill test: P's 1 s queue against D's 0.1 s) is on the timeline with its reason and
+    the 1 s it was predicted to save, and the summary adds it up."""
+    monkeypatch.setenv(ENV, str(tmp_path))
+    c = Cluster("d0", decode_prefill_share=0.01)
+    c.index.add("p0", "prefill", queued_prefill_tokens=RATE, prefill_tokens_per_s=RATE)
+    c.index.add("d0", "decode", running=4)
+    c.decode["d0"].script["r1"] = [output(11, kv_used=False, local_prefill_s=0.1), output(12, True)]
+    try:
+        await drain(c.core.generate("r1", PROMPT, SamplingParams(max_tokens=2), time.monotonic()))
+    finally:
+        c.close()
+    (d,) = [e for e in events(tmp_path, "router") if e["ev"] == "dispatch"]
+    assert (d["where"], d["reason"]) == ("local", "prefill_busy")
+    assert d["saved_s"] == pytest.approx(1.0, abs=0.01)
+    r = summary.summarize(tmp_path)["requests"]
+    assert r["where"] == {"local": 1}
+    (key,) = r["decisions"]
+    assert key == "local/prefill_busy" and r["decisions"][key]["requests"] == 1
+    assert r["decisions"][key]["saved_s"] == pytest.approx(1.0, abs=0.01)
