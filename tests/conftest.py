@@ -60,11 +60,41 @@ MakeCheckpoint = Callable[..., Path]
 HFGreedy = Callable[..., list[list[int]]]
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> Iterator[None]:
+    """Keeps the run's final exit status (after every plugin's say) for `pytest_unconfigure`."""
+    yield
+    session.config.stash[_EXIT_STATUS] = int(session.exitstatus)
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+# Set to 1 to let the interpreter tear itself down as usual (to debug that teardown).
+FULL_TEARDOWN_ENV = "PDSERVE_TEST_FULL_TEARDOWN"
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The run is over and the process exits next: the interpreter's final collections
-    would walk the whole session's heap (torch, transformers, Ray: ~2 s or more on 2
-    cores) to free memory the exit frees anyway. Frozen, they skip it."""
-    gc.freeze()
+    """The run is over, its summary printed: exit with pytest's status, skipping the
+    interpreter's teardown of native modules.
+
+    That teardown is not ours and not safe. With Triton's interpreter, torch, gRPC and
+    UCX loaded in one process for a whole session, CI once saw every test pass and then
+    the process die with SIGSEGV (exit 139) just after nanobind's report of Triton's
+    leaked objects, which failed the run. The exit handlers (`atexit`: Ray's shutdown,
+    logging's flush) still run first; only the native modules' destructors are skipped,
+    and the process's memory goes back to the OS at once (the interpreter's final
+    collections would also walk the whole session's heap, ~2 s on 2 cores).
+    Each `pdserve up` or `serve run` a test starts is a process of its own, whose exit
+    that test checks; this shortcut is the test runner's only."""
+    if os.environ.get(FULL_TEARDOWN_ENV) == "1" or _EXIT_STATUS not in config.stash:
+        gc.freeze()
+        return
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(config.stash[_EXIT_STATUS])
 
 
 @pytest.fixture(scope="session", autouse=True)
