@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pdserve.common.kv_events import KVEvent
 from pdserve.engine.llm_engine import LLMEngine
@@ -30,11 +30,29 @@ class EngineClosedError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, hold_above_streams: int | None = None) -> None:
-        """`hold_above_streams`: while more coalescing streams than this are open, each of
+    def __init__(
+        self, engine: LLMEngine | Callable[[], LLMEngine], hold_above_streams: int | None = None
+    ) -> None:
+        """`engine`: the engine, or a function that builds it. A serving process passes
+        the function: the engine is then built on the engine thread itself, and that
+        thread is the only one in the process that ever runs torch's OpenMP work.
+
+        Why it matters (libgomp, torch's OpenMP runtime on Linux): each thread that
+        starts a parallel region keeps a team of worker threads of its own, and once a
+        process holds more OpenMP threads than CPUs, every team waits with a 100-spin
+        throttle instead of spinning (pdserve's `GOMP_SPINCOUNT`): the engine's workers
+        then sleep and are woken through the kernel between every two of a step's ~100
+        parallel regions. An engine built on one thread and stepped on another made two
+        teams: the mid model's decode step at batch 5 took 17.3 ms instead of 13.5, with
+        ~90 sleeps a step (docs/measurements.md, "One OpenMP team per process").
+
+        `hold_above_streams`: while more coalescing streams than this are open, each of
         their outputs after the first waits for the request's next step and goes merged
         with it (None: never; see `_dispatch`)."""
-        self.engine = engine
+        make = engine if callable(engine) and not isinstance(engine, LLMEngine) else None
+        self.engine: LLMEngine  # set here, or by the engine thread before __init__ returns
+        if make is None:
+            self.engine = cast(LLMEngine, engine)  # an LLMEngine (or a test's fake)
         self.hold_above_streams = hold_above_streams
         self._coalescing: set[str] = set()  # streams opened with coalesce=True
         # request id -> its output held back one step (engine thread only)
@@ -52,8 +70,20 @@ class AsyncEngine:
         self._finish_results: dict[str, Any] = {}
         self._ids = itertools.count()
         self._step_started: float | None = None  # monotonic; set by the engine thread
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(make,), name="pdserve-engine", daemon=True
+        )
         self._thread.start()
+        if make is not None:
+            # as long as building takes (a large checkpoint loads for minutes), while the
+            # thread lives: it sets the event however the build ends
+            while not self._built.wait(_IDLE_WAIT_S):
+                if not self._thread.is_alive():
+                    raise EngineClosedError("the engine thread died while building the engine")
+            if self._build_error is not None:
+                raise self._build_error
 
     # -- the event-loop side ------------------------------------------------------
 
@@ -207,7 +237,16 @@ class AsyncEngine:
             self._commands.append(command)
         self._wake.set()
 
-    def _run(self) -> None:
+    def _run(self, make: Callable[[], LLMEngine] | None) -> None:
+        if make is not None:
+            try:
+                self.engine = make()
+            except BaseException as exc:  # raised by __init__, in the caller's thread
+                self._build_error = exc
+                self._closed = True
+                return
+            finally:
+                self._built.set()
         try:
             while not self._closed:
                 self._apply_commands()

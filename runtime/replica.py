@@ -109,8 +109,11 @@ class WorkerReplica:
             )
         if self.config.model is None:  # each of ClusterConfig.model_configs() has one
             raise ValueError("a worker replica's config names no model folder")
+        model, launcher = self.config.model, self.rank_launcher
+        # built on the engine thread: its OpenMP team is then the process's only one
+        # (engine/async_engine.py, AsyncEngine)
         self.engine = AsyncEngine(
-            LLMEngine(self.config.model, engine_config, rank_launcher=self.rank_launcher),
+            lambda: LLMEngine(model, engine_config, rank_launcher=launcher),
             hold_above_streams=self.config.stream_hold_above,
         )
         self.redis = aioredis.Redis.from_url(

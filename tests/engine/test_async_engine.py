@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
+
+import pytest
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.outputs import RequestOutput
@@ -194,3 +197,32 @@ def test_under_load_tokens_after_the_first_go_two_per_message_held_at_most_one_s
         [("a", [4])],  # the last output is never held
         [("b", [7])],
     ]
+
+
+def test_an_engine_built_on_the_engine_thread_serves_and_a_failed_build_raises() -> None:
+    """AsyncEngine(factory): the factory runs on the engine thread (its OpenMP team is
+    the process's only one); its error reaches the caller, and no thread is left."""
+    built_on: list[str] = []
+
+    def make() -> InstantEngine:
+        built_on.append(threading.current_thread().name)
+        return InstantEngine()
+
+    aengine = AsyncEngine(make)  # type: ignore[arg-type]
+    assert built_on == ["pdserve-engine"]
+    assert isinstance(aengine.engine, InstantEngine)
+
+    async def one() -> list[int]:
+        start = lambda e: e.add("r", [4, 5])  # noqa: E731
+        tokens = [t async for out in aengine.stream("r", start) for t in out.new_token_ids]
+        await aengine.close()
+        return tokens
+
+    assert asyncio.run(one()) == [4, 5]
+
+    def broken() -> InstantEngine:
+        raise ValueError("no such checkpoint")
+
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        AsyncEngine(broken)  # type: ignore[arg-type]
+    assert not [t for t in threading.enumerate() if t.name == "pdserve-engine"]

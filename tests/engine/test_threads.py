@@ -85,3 +85,61 @@ def test_a_replica_takes_the_cpus_its_pool_gives_it() -> None:
     told = ClusterConfig(**base, prefill_cpus="0-3", num_threads=2)
     assert (told.threads("prefill"), told.engine_config("prefill").num_threads) == (2, 2)
     assert pinned.engine_config("prefill").num_threads == 4
+
+
+# Run in a fresh process: an OpenMP runtime that no thread has used yet. Prints the
+# native threads (not Python's) started while an AsyncEngine is built and serves one
+# request: libgomp's worker threads, `num_threads - 1` for each thread that ran torch's
+# parallel work.
+_TEAMS = """
+import asyncio, os, sys, threading
+from pdserve.common.engine_config import EngineConfig
+from pdserve.engine import SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import LLMEngine
+
+def native():
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(t) for t in os.listdir("/proc/self/task")} - python
+
+def make():
+    return LLMEngine(sys.argv[1], EngineConfig(num_threads=2, num_kv_blocks=64, dtype="float32"))
+
+before = native()
+engine = AsyncEngine(make) if sys.argv[2] == "factory" else AsyncEngine(make())
+params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+def start(e):
+    e.add_request("r", [5 + i % 500 for i in range(300)], params, stream=True)
+
+async def serve():
+    tokens = [t async for out in engine.stream("r", start) for t in out.new_token_ids]
+    await engine.close()
+    return tokens
+
+assert len(asyncio.run(serve())) == 4
+print(len(native() - before))
+"""
+
+
+@pytest.mark.parametrize("built", ["factory", "by the caller"])
+def test_an_async_engine_built_on_its_thread_is_the_only_openmp_team(
+    random_model_dir: Path, built: str
+) -> None:
+    """AsyncEngine(factory), as a replica builds it, keeps torch's OpenMP work on the
+    engine thread: one team, one worker thread at num_threads=2. An engine built on the
+    caller's thread and stepped on the engine thread makes two teams, and libgomp then
+    throttles every team's spin-wait (engine/async_engine.py, AsyncEngine)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    mode = "factory" if built == "factory" else "caller"
+    out = subprocess.run(
+        [sys.executable, "-c", _TEAMS, str(random_model_dir), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    workers = int(out.stdout.strip().splitlines()[-1])
+    assert workers == (1 if built == "factory" else 2)
