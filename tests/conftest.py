@@ -80,10 +80,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     That teardown is not ours and not safe. With Triton's interpreter, torch, gRPC and
     UCX loaded in one process for a whole session, a CI run (36 min, the whole suite's
     length) ended in SIGSEGV (exit 139) just after nanobind's report of Triton's leaked
-    objects, which it prints during that teardown, and so failed. The exit handlers (`atexit`: Ray's shutdown,
-    logging's flush) still run first; only the native modules' destructors are skipped,
-    and the process's memory goes back to the OS at once (the interpreter's final
-    collections would also walk the whole session's heap, ~2 s on 2 cores).
+    objects, which it prints during that teardown, and so failed. The exit handlers
+    (`atexit`: Ray's shutdown, logging's flush) still run first; only the native
+    modules' destructors are skipped, and the process's memory goes back to the OS at
+    once (the interpreter's final collections would also walk the whole session's heap,
+    ~2 s on 2 cores).
     Each `pdserve up` or `serve run` a test starts is a process of its own, whose exit
     that test checks; this shortcut is the test runner's only."""
     if os.environ.get(FULL_TEARDOWN_ENV) == "1" or _EXIT_STATUS not in config.stash:
