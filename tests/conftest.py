@@ -564,6 +564,20 @@ class Api:
         return sample(scrape_metrics(url), name, **labels)
 
     @staticmethod
+    def own_workers(url: str) -> list[dict[str, Any]]:
+        """`/workers` rows that each worker answered itself, those with an error left out.
+
+        A worker's state is asked with Serve's `target_replica`; a call for a replica
+        that Serve's router cannot reach yet (right after start-up, or under load) is
+        answered by another replica of the pool, whose state and pid then appear in that
+        row (`answered_by` says so). A test that signals a worker's pid takes its row
+        from here. Seen in CI: one prefill worker frozen twice, the other not at all;
+        two decode workers each "running" one stream.
+        """
+        rows = Api.get_json(f"{url}/workers")["workers"]
+        return [w for w in rows if "error" not in w and w.get("answered_by") == w["worker_id"]]
+
+    @staticmethod
     def local_prefills(url: str) -> dict[str, float]:
         """`pdserve_decode_local_prefill_total` by reason, reasons still at 0 left out.
 

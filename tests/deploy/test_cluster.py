@@ -625,11 +625,14 @@ def test_a_client_that_goes_away_frees_its_blocks(cluster: tuple[str, str]) -> N
 
 @on_disagg_grpc
 def test_a_removed_worker_leaves_placement_within_its_lease(
-    cluster: tuple[str, str], model_dir: Path, hf_greedy: Any
+    cluster: tuple[str, str], model_dir: Path, hf_greedy: Any, api: Any, poll: Any
 ) -> None:
     _, url = cluster
-    workers = get_json(f"{url}/workers")["workers"]
-    victim = next(w for w in workers if w["role"] == "decode")
+
+    def a_decode_worker() -> dict[str, Any] | None:  # its own row: its pid, not another's
+        return next((w for w in api.own_workers(url) if w["role"] == "decode"), None)
+
+    victim = poll("a decode worker answers for itself", a_decode_worker, 20.0)
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.monotonic()
     deadline = killed + LEASE_S + 5.0

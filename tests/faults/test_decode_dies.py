@@ -41,7 +41,7 @@ def test_a_stream_survives_its_decode_worker_dying(
         for chunk in stream:
             got += chunk.choices[0].model_extra["token_ids"]
             if killed is None and len(got) >= 8:
-                busy = [w for w in own_states(api, url) if w["running"]]
+                busy = [w for w in api.own_workers(url) if w["running"]]
                 who = [(w["worker_id"], w["role"], w["pid"], w["running"]) for w in busy]
                 assert len(busy) == 1 and busy[0]["role"] == "decode", who
                 killed, killed_at = busy[0], len(got)
@@ -54,16 +54,7 @@ def test_a_stream_survives_its_decode_worker_dying(
         )
         resumes = api.metric(url, "pdserve_decode_resumes_total")
         assert (resumes, api.local_prefills(url)) == (1.0, {"resume": 1.0})
-        for w in own_states(api, url):
+        for w in api.own_workers(url):
             if w["worker_id"] != killed["worker_id"]:
                 assert (w["running"], w["kv_blocks_used"]) == (0, 0), w
                 assert w.get("pending_transfers", 0) == 0, w
-
-
-def own_states(api: Any, url: str) -> list[dict[str, Any]]:
-    """`/workers` rows each worker answered itself. A call for one replica that Serve's
-    router cannot reach yet (a replica it has not learnt of, under load) is answered by
-    another of the pool, whose state then appears twice (`answered_by` says so): seen in
-    CI as two decode workers each "running" this one stream."""
-    rows = api.get_json(f"{url}/workers")["workers"]
-    return [w for w in rows if "error" not in w and w.get("answered_by") == w["worker_id"]]

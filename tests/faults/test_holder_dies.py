@@ -57,11 +57,7 @@ def test_a_holder_killed_mid_fetch_leaves_the_receiver_computing_the_prompt(
         model = client.models.list().data[0].id
 
         def own_states() -> dict[str, Any]:
-            # each worker's state as it answered itself: right after start-up Serve may
-            # route a worker's state call to another replica (`answered_by`), whose pid
-            # is not the worker's
-            rows = api.get_json(f"{url}/workers")["workers"]
-            own = {w["worker_id"]: w for w in rows if w.get("answered_by") == w["worker_id"]}
+            own = {w["worker_id"]: w for w in api.own_workers(url)}
             return own if len(own) == 2 else {}
 
         workers = poll("both workers answer for themselves", own_states, POLL_DEADLINE_S)

@@ -39,17 +39,32 @@ def cluster(make_checkpoint: Any, pdserve_up: Any) -> Iterator[tuple[str, Path]]
         *("--prefill-replicas", "2", "--decode-replicas", "1", "--replica-cpus", "0"),
         *("--dtype", "float32", "--block-size", "8", "--threads", "1"),
         *("--heartbeat-s", "0.5", "--worker-lease-s", "10"),
-        *("--kv-wait-timeout-s", str(KV_WAIT_S)),
+        # A KV wait is kv_wait_factor x the estimate + the floor, at most the timeout:
+        # here every wait is the whole KV_WAIT_S. (With the default 2 s floor a tiny
+        # prompt's wait is ~2 s: a poll on a busy CI machine missed that window.)
+        *("--kv-wait-timeout-s", str(KV_WAIT_S), "--kv-wait-floor-s", str(KV_WAIT_S)),
     )
     with pdserve_up(model_dir, *flags) as url:
         yield url, model_dir
+
+
+def all_workers(api: Any, url: str, poll: Any) -> list[dict[str, Any]]:
+    """The three workers, once each answers for itself (`Api.own_workers`): a test that
+    signals a pid must have each worker's own."""
+
+    def listed() -> list[dict[str, Any]] | None:
+        workers: list[dict[str, Any]] = api.own_workers(url)
+        return workers if len(workers) == 3 else None
+
+    result: list[dict[str, Any]] = poll("every worker answers for itself", listed, POLL_DEADLINE_S)
+    return result
 
 
 def test_a_client_gone_before_its_kv_frees_the_decode_worker_at_once(
     api: Any, cluster: tuple[str, Path], poll: Any
 ) -> None:
     url, _ = cluster
-    workers = api.get_json(f"{url}/workers")["workers"]
+    workers = all_workers(api, url, poll)
     decode = next(w for w in workers if w["role"] == "decode")
     prefill = [w for w in workers if w["role"] == "prefill"]
 
@@ -115,14 +130,13 @@ def test_a_client_gone_before_its_kv_frees_the_decode_worker_at_once(
 
 
 def test_requests_survive_a_dead_prefill_worker(
-    api: Any, cluster: tuple[str, Path], hf_greedy: Any
+    api: Any, cluster: tuple[str, Path], hf_greedy: Any, poll: Any
 ) -> None:
     url, model_dir = cluster
     rng = random.Random(41)
     prompts = [[rng.randrange(5, 512) for _ in range(20 + 7 * i)] for i in range(8)]
     want = hf_greedy(model_dir, prompts, MAX_TOKENS)
-    workers = api.get_json(f"{url}/workers")["workers"]
-    victim = next(w for w in workers if w["role"] == "prefill")
+    victim = next(w for w in all_workers(api, url, poll) if w["role"] == "prefill")
     os.kill(victim["pid"], signal.SIGKILL)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
