@@ -57,7 +57,11 @@ _SOURCES = (
     _CSRC / "paged_prefill.c",
     _CSRC / "model_ops.c",
 )
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC"]
+# -fno-trapping-math: with traps assumed possible gcc does not if-convert a float compare
+# (the exp's clamp), so the SiLU loop and the decode softmax's exp stayed scalar (the SiLU
+# of a 32-row mid step took 7x torch's time). Values are unchanged: the rounding mode is
+# still the default one, and no code here reads the floating-point exception flags.
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC"]
 _BUILD_TIMEOUT_S = 120.0
 _QUERY_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 if platform.machine() in ("x86_64", "AMD64"):
