@@ -4,33 +4,33 @@
  * gcc keeps in registers.
  *
  * Scores are computed transposed, keys by rows ([BK][rows]): each K row is broadcast one
- * element at a time against 16-row vectors of the (once transposed) queries, so a K/V
+ * element at a time against VL-row vectors of the (once transposed) queries, so a K/V
  * tile is converted to float32 with contiguous vector loads only, and the softmax runs
- * down the columns 16 rows at a time with no horizontal reductions. */
-#define PF_NV (ITEM_D / 16)                   /* vectors per row of D */
-#define PF_RPV (PF_NV >= 16 ? 1 : 16 / PF_NV) /* rows per block of P.V: 16 accumulators */
+ * down the columns VL rows at a time with no horizontal reductions. */
+#define PF_NV (ITEM_D / VL)                            /* vectors per row of D */
+#define PF_RPV (PF_NV >= PF_ACC ? 1 : PF_ACC / PF_NV) /* rows per block of P.V */
 #define PF_CAT_(a, b) a##b
 #define PF_CAT(a, b) PF_CAT_(a, b)
 
-/* Scores St[j][c0 * 16 ...] of keys j0..j0+3 against NR 16-row vectors of queries. */
+/* Scores St[j][c0 * VL ...] of keys j0..j0+3 against NR VL-row vectors of queries. */
 static inline __attribute__((always_inline)) void PF_CAT(qk_block_, ITEM_D)(
     const float *restrict Qt, int Rp, const float *restrict Kf, float *restrict St, int j0,
     int c0, const int NR) {
     enum { D = ITEM_D };
-    v16sf acc[4][4];
+    pvf acc[4][PF_NR];
     for (int jj = 0; jj < 4; ++jj)
         for (int c = 0; c < NR; ++c) acc[jj][c] = splat(0.0f);
     for (int d = 0; d < D; ++d) {
-        v16sf qv[4];
-        for (int c = 0; c < NR; ++c) qv[c] = vload_f32(Qt + d * Rp + (c0 + c) * 16);
+        pvf qv[PF_NR];
+        for (int c = 0; c < NR; ++c) qv[c] = pload(Qt + d * Rp + (c0 + c) * VL);
         for (int jj = 0; jj < 4; ++jj) {
-            const v16sf b = splat(Kf[(j0 + jj) * D + d]);
+            const pvf b = splat(Kf[(j0 + jj) * D + d]);
             for (int c = 0; c < NR; ++c) acc[jj][c] += b * qv[c];
         }
     }
     for (int jj = 0; jj < 4; ++jj)
         for (int c = 0; c < NR; ++c)
-            __builtin_memcpy(St + (j0 + jj) * Rp + (c0 + c) * 16, &acc[jj][c], sizeof(v16sf));
+            __builtin_memcpy(St + (j0 + jj) * Rp + (c0 + c) * VL, &acc[jj][c], sizeof(pvf));
 }
 
 /* Tokens [row0, row0 + ntok) of the flat batch, the first at position pos0 of its
@@ -43,7 +43,7 @@ static void PF_CAT(prefill_item_, ITEM_D)(const void *q, const void *k_cache,
                                           float scale, void *out, int qtype, const Scratch *sc) {
     enum { D = ITEM_D, NV = PF_NV, RPV = PF_RPV };
     const int G = num_heads / kv_heads;
-    const int R = ntok * G, Rp = (R + 15) / 16 * 16, NRV = Rp / 16;
+    const int R = ntok * G, Rp = (R + 15) / 16 * 16, NRV = Rp / VL;
     const float qscale = scale * 1.44269504088896341f; /* scores in base 2 */
     float *restrict Qt = sc->q, *restrict O = sc->o, *restrict Kf = sc->kt, *restrict V = sc->v;
     float *restrict St = sc->s, *restrict M = sc->m, *restrict L = sc->l, *restrict A = sc->alpha;
@@ -74,72 +74,77 @@ static void PF_CAT(prefill_item_, ITEM_D)(const void *q, const void *k_cache,
         }
         for (int j0 = 0; j0 < nk4; j0 += 4) {
             int c0 = 0;
-            for (; c0 + 4 <= NRV; c0 += 4) PF_CAT(qk_block_, ITEM_D)(Qt, Rp, Kf, St, j0, c0, 4);
+            for (; c0 + PF_NR <= NRV; c0 += PF_NR)
+                PF_CAT(qk_block_, ITEM_D)(Qt, Rp, Kf, St, j0, c0, PF_NR);
             switch (NRV - c0) {
+#if PF_NR > 3
             case 3: PF_CAT(qk_block_, ITEM_D)(Qt, Rp, Kf, St, j0, c0, 3); break;
+#endif
+#if PF_NR > 2
             case 2: PF_CAT(qk_block_, ITEM_D)(Qt, Rp, Kf, St, j0, c0, 2); break;
+#endif
             case 1: PF_CAT(qk_block_, ITEM_D)(Qt, Rp, Kf, St, j0, c0, 1); break;
             default: break;
             }
         }
-        /* online softmax, 16 rows at a time: mask what a row must not see, fold the tile
+        /* online softmax, VL rows at a time: mask what a row must not see, fold the tile
          * into each row's max and sum, turn scores into weights */
         const int diagonal = kb + nk - 1 > pos0;
-        const v16sf ninf = splat(-INFINITY);
+        const pvf ninf = splat(-INFINITY);
         for (int c = 0; c < NRV; ++c) {
-            v16si limv;
-            __builtin_memcpy(&limv, lim + c * 16, sizeof limv);
-            v16sf mv, mx = ninf;
-            __builtin_memcpy(&mv, M + c * 16, sizeof mv);
+            pvi limv;
+            __builtin_memcpy(&limv, lim + c * VL, sizeof limv);
+            pvf mv, mx = ninf;
+            __builtin_memcpy(&mv, M + c * VL, sizeof mv);
             for (int j = 0; j < nk; ++j) {
-                v16sf s = vload_f32(St + j * Rp + c * 16);
+                pvf s = pload(St + j * Rp + c * VL);
                 if (diagonal) {
-                    const v16si hidden = splat_i((int32_t)(kb + j)) > limv;
-                    s = (v16sf)(((v16si)s & ~hidden) | ((v16si)ninf & hidden));
-                    __builtin_memcpy(St + j * Rp + c * 16, &s, sizeof s);
+                    const pvi hidden = splat_i((int32_t)(kb + j)) > limv;
+                    s = (pvf)(((pvi)s & ~hidden) | ((pvi)ninf & hidden));
+                    __builtin_memcpy(St + j * Rp + c * VL, &s, sizeof s);
                 }
                 mx = vmax(mx, s);
             }
-            const v16sf m_new = vmax(mv, mx);
-            const v16sf alpha = vexp2_neg(mv - m_new);
-            v16sf sum = splat(0.0f);
+            const pvf m_new = vmax(mv, mx);
+            const pvf alpha = vexp2_neg(mv - m_new);
+            pvf sum = splat(0.0f);
             for (int j = 0; j < nk; ++j) {
-                const v16sf p = vexp2_neg(vload_f32(St + j * Rp + c * 16) - m_new);
-                __builtin_memcpy(St + j * Rp + c * 16, &p, sizeof p);
+                const pvf p = vexp2_neg(pload(St + j * Rp + c * VL) - m_new);
+                __builtin_memcpy(St + j * Rp + c * VL, &p, sizeof p);
                 sum += p;
             }
-            v16sf l;
-            __builtin_memcpy(&l, L + c * 16, sizeof l);
+            pvf l;
+            __builtin_memcpy(&l, L + c * VL, sizeof l);
             l = l * alpha + sum;
-            __builtin_memcpy(L + c * 16, &l, sizeof l);
-            __builtin_memcpy(M + c * 16, &m_new, sizeof m_new);
-            __builtin_memcpy(A + c * 16, &alpha, sizeof alpha);
+            __builtin_memcpy(L + c * VL, &l, sizeof l);
+            __builtin_memcpy(M + c * VL, &m_new, sizeof m_new);
+            __builtin_memcpy(A + c * VL, &alpha, sizeof alpha);
         }
-        /* O = O * alpha + P . V: RPV rows x D in 16 registers */
+        /* O = O * alpha + P . V: RPV rows x D in PF_ACC registers */
         for (int r0 = 0; r0 < Rp; r0 += RPV) {
-            v16sf acc[RPV][NV];
+            pvf acc[RPV][NV];
             for (int i = 0; i < RPV; ++i)
                 for (int j = 0; j < NV; ++j)
-                    acc[i][j] = vload_f32(O + (r0 + i) * D + 16 * j) * splat(A[r0 + i]);
+                    acc[i][j] = pload(O + (r0 + i) * D + VL * j) * splat(A[r0 + i]);
             for (int k = 0; k < nk; ++k) {
-                v16sf vv[NV];
-                for (int j = 0; j < NV; ++j) vv[j] = vload_f32(V + k * D + 16 * j);
+                pvf vv[NV];
+                for (int j = 0; j < NV; ++j) vv[j] = pload(V + k * D + VL * j);
                 for (int i = 0; i < RPV; ++i) {
-                    const v16sf p = splat(St[k * Rp + r0 + i]);
+                    const pvf p = splat(St[k * Rp + r0 + i]);
                     for (int j = 0; j < NV; ++j) acc[i][j] += p * vv[j];
                 }
             }
             for (int i = 0; i < RPV; ++i)
                 for (int j = 0; j < NV; ++j)
-                    __builtin_memcpy(O + (r0 + i) * D + 16 * j, &acc[i][j], sizeof(v16sf));
+                    __builtin_memcpy(O + (r0 + i) * D + VL * j, &acc[i][j], sizeof(pvf));
         }
     }
     for (int r = 0; r < R; ++r) {
         const int t = r / G;
         const int64_t dst = ((row0 + t) * num_heads + (int64_t)kvh * G + r % G) * D;
-        const v16sf inv = splat(1.0f / L[r]);
+        const pvf inv = splat(1.0f / L[r]);
         for (int j = 0; j < NV; ++j)
-            store_vec(out, dst + 16 * j, vload_f32(O + r * D + 16 * j) * inv, qtype);
+            store_vec(out, dst + VL * j, pload(O + r * D + VL * j) * inv, qtype);
     }
 }
 
