@@ -194,8 +194,8 @@ static void softmax_rows(float *scores, int G, int64_t len, int64_t stride, floa
     }
 
 /* ---- vector path: head_dim a multiple of 16 ---------------------------------------------
- * 16 float lanes per vector (gcc vector extensions: AVX-512 where the CPU has it, pairs of
- * 256-bit or 128-bit registers elsewhere). Scores, 16 rows at a time: each row's K is
+ * 16 float lanes per vector (gcc vector extensions: AVX-512 where the CPU has it; with AVX2
+ * the hot loops use explicit 8-lane halves instead, see DEFINE_VECTOR there). Scores, 16 rows at a time: each row's K is
  * loaded once; for every query head its products are summed lane-wise into one vector per
  * row, and 15 shuffle-and-add steps turn the 16 rows' vectors into one vector of scores.
  * V: every row's values are added, scaled, into one accumulator per query head. */
@@ -327,14 +327,13 @@ static inline v16sf reduce16(const v16sf *p) {
  * s4[m] = s8[m] + s8[m + 4], s2[m] = s4[m] + s4[m + 2], then s2[0] + s2[1]; here with
  * 256-bit halves, 128-bit lane swaps, 64-bit unpacks and a horizontal add, which leave
  * rows in the order 0 2 4 6 1 3 5 7 (of each 8), undone by one permute. */
-static inline v16sf reduce16(const v16sf *p) {
-    __m256 t[8], u[4], w[2];
-    for (int i = 0; i < 8; ++i) {
-        __m256 h[4];
-        __builtin_memcpy(h, p + 2 * i, sizeof h); /* rows 2i, 2i + 1: low, high halves */
-        const __m256 r0 = _mm256_add_ps(h[0], h[1]), r1 = _mm256_add_ps(h[2], h[3]);
+/* The 16 scores from the rows' s8 vectors (above), into w[0] (rows 0-7) and w[1]. */
+static inline void reduce16_s8(const __m256 *s8, __m256 w[2]) {
+    __m256 t[8], u[4];
+    for (int i = 0; i < 8; ++i) { /* s4 of rows 2i | 2i + 1 */
+        const __m256 r0 = s8[2 * i], r1 = s8[2 * i + 1];
         t[i] = _mm256_add_ps(_mm256_permute2f128_ps(r0, r1, 0x20),
-                             _mm256_permute2f128_ps(r0, r1, 0x31)); /* s4 of 2i | 2i + 1 */
+                             _mm256_permute2f128_ps(r0, r1, 0x31));
     }
     for (int j = 0; j < 4; ++j) {
         const __m256d a = _mm256_castps_pd(t[2 * j]), b = _mm256_castps_pd(t[2 * j + 1]);
@@ -344,6 +343,16 @@ static inline v16sf reduce16(const v16sf *p) {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int k = 0; k < 2; ++k)
         w[k] = _mm256_permutevar8x32_ps(_mm256_hadd_ps(u[2 * k], u[2 * k + 1]), order);
+}
+
+static inline v16sf reduce16(const v16sf *p) {
+    __m256 s8[16], w[2];
+    for (int r = 0; r < 16; ++r) {
+        __m256 h[2];
+        __builtin_memcpy(h, p + r, sizeof h); /* row r: low, high halves */
+        s8[r] = _mm256_add_ps(h[0], h[1]);
+    }
+    reduce16_s8(s8, w);
     v16sf s;
     __builtin_memcpy(&s, w, sizeof s);
     return s;
@@ -364,6 +373,172 @@ static inline v16sf reduce16(const v16sf *p) {
     SHAPE_CASE(NAME, 4, 4) SHAPE_CASE(NAME, 8, 4) SHAPE_CASE(NAME, 1, 8)                     \
     SHAPE_CASE(NAME, 2, 8) SHAPE_CASE(NAME, 4, 8) SHAPE_CASE(NAME, 8, 8)
 
+/* The common shapes get copies with G and C known, so accumulators stay in registers. */
+#define DEFINE_VECTOR_ENTRY(NAME, T, CT)                                                     \
+    static void NAME(const T *q, const CT *k_cache, const CT *v_cache, const int32_t *table, \
+                     int64_t b, int kvh, int64_t len, int num_heads, int kv_heads,           \
+                     int head_dim, int block_size, float scale, float *scores, v16sf *qv,    \
+                     v16sf *part, v16sf *acc, T *out, int qtype) {                           \
+        const int G = num_heads / kv_heads, C = head_dim / 16;                               \
+        switch (G * 64 + C) {                                                                \
+        SHAPE_CASES(NAME)                                                                    \
+        default:                                                                             \
+            NAME##_impl(q, k_cache, v_cache, table, b, kvh, len, num_heads, kv_heads,        \
+                        block_size, scale, scores, qv, part, acc, out, qtype, G, C);         \
+        }                                                                                    \
+    }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* ---- the vector path with AVX2 (no AVX-512): the same sums in 8-lane registers ---------
+ * gcc 12 keeps a 16-lane vector in memory on AVX2 and moves it through general registers,
+ * so here each 16-element chunk of a K/V row is two 8-lane halves, loaded straight into
+ * registers. Lane for lane the sums are the 16-lane path's: a row's score vector is its
+ * low half plus its high half (reduce16's first fold), then reduce16_s8; P.V accumulates
+ * the halves separately. */
+typedef float v8sf __attribute__((vector_size(32)));
+typedef uint16_t v8hu __attribute__((vector_size(16)));
+typedef uint32_t v8su __attribute__((vector_size(32)));
+typedef uint8_t v8qu __attribute__((vector_size(8)));
+
+static inline v8sf splat8(float x) { return (v8sf){x, x, x, x, x, x, x, x}; }
+static inline v8sf vload_f32_8(const float *p) {
+    v8sf v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline v8sf vload_bf16_8(const uint16_t *p) {
+    v8hu h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const v8su w = __builtin_convertvector(h, v8su) << 16;
+    v8sf f;
+    __builtin_memcpy(&f, &w, sizeof f);
+    return f;
+}
+static inline v8sf widen_f16_8(v8hu bits) {
+    v8sf f;
+#if defined(__F16C__)
+    __m128i h;
+    __builtin_memcpy(&h, &bits, sizeof h);
+    const __m256 w = _mm256_cvtph_ps(h);
+    __builtin_memcpy(&f, &w, sizeof f);
+#else
+    typedef _Float16 v8hf __attribute__((vector_size(16)));
+    v8hf h;
+    __builtin_memcpy(&h, &bits, sizeof h);
+    f = __builtin_convertvector(h, v8sf);
+#endif
+    return f;
+}
+static inline v8sf vload_f16_8(const _Float16 *p) {
+    v8hu h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return widen_f16_8(h);
+}
+static inline v8sf vload_i8_8(const uint8_t *p) {
+    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    v8sf f;
+    __builtin_memcpy(&f, &w, sizeof f);
+    return f;
+}
+static inline v8sf vload_e4m3_8(const uint8_t *p) {
+    v8qu c;
+    __builtin_memcpy(&c, p, sizeof c);
+    const v8hu w = __builtin_convertvector(c, v8hu);
+    return widen_f16_8(((w & 0x80) << 8) | ((w & 0x7f) << 7));
+}
+
+/* As the 16-lane DEFINE_VECTOR below; KVLOAD##_8 reads 8 cache elements. The buffers are
+ * the 16-lane path's, used as 8-lane halves: qv and acc hold G * C low halves, then as
+ * many high halves; part holds 16 rows' s8 per query head. */
+#define DEFINE_VECTOR(NAME, T, QVLOAD, OSTORE, CT, KVLOAD, QUANT, RSCALE)                    \
+    static inline __attribute__((always_inline)) void NAME##_impl(                           \
+        const T *q, const CT *k_cache, const CT *v_cache, const int32_t *table, int64_t b,   \
+        int kvh, int64_t len, int num_heads, int kv_heads, int block_size, float scale,      \
+        float *scores, v16sf *qv, v16sf *part, v16sf *acc, T *out, int qtype, const int G,   \
+        const int C) {                                                                       \
+        const int head_dim = 16 * C;                                                         \
+        const int row_len = QUANT ? head_dim + 2 : head_dim;                                 \
+        const int block_shift = __builtin_ctz((unsigned)block_size);                         \
+        const int64_t stride = (len + 15) / 16 * 16;                                         \
+        const int row_bytes = row_len * (int)sizeof(CT);                                     \
+        float sums[MAX_GROUP];                                                               \
+        float rs[16] = {0};                                                                  \
+        v8sf xl[MAX_CHUNKS], xh[MAX_CHUNKS];                                                 \
+        v8sf *ql = (v8sf *)qv, *qh = ql + G * C, *al = (v8sf *)acc, *ah = al + G * C;        \
+        __m256 *s8 = (__m256 *)part;                                                         \
+        (void)qtype;                                                                         \
+        (void)rs;                                                                            \
+        for (int g = 0; g < G; ++g) {                                                        \
+            const int64_t qrow = (b * num_heads + kvh * G + g) * head_dim;                   \
+            for (int c = 0; c < C; ++c) {                                                    \
+                const v16sf v = QVLOAD(q, qrow + 16 * c) * scale;                            \
+                __builtin_memcpy(ql + g * C + c, &v, sizeof(v8sf));                          \
+                __builtin_memcpy(qh + g * C + c, (const char *)&v + sizeof(v8sf),            \
+                                 sizeof(v8sf));                                              \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {                                           \
+            const int rows = len - t0 < 16 ? (int)(len - t0) : 16;                           \
+            for (int r = 0; r < rows; ++r) {                                                 \
+                if (t0 + 16 + r < len) PREFETCH_ROW(k_cache, t0 + 16 + r, row_bytes);        \
+                const CT *krow = ROW(k_cache, t0 + r);                                       \
+                if (QUANT) rs[r] = RSCALE(krow, head_dim);                                   \
+                for (int c = 0; c < C; ++c) {                                                \
+                    xl[c] = KVLOAD##_8(krow + 16 * c);                                       \
+                    xh[c] = KVLOAD##_8(krow + 16 * c + 8);                                   \
+                }                                                                            \
+                for (int g = 0; g < G; ++g) {                                                \
+                    v8sf sl = ql[g * C] * xl[0], sh = qh[g * C] * xh[0];                     \
+                    for (int c = 1; c < C; ++c) {                                            \
+                        sl += ql[g * C + c] * xl[c];                                         \
+                        sh += qh[g * C + c] * xh[c];                                         \
+                    }                                                                        \
+                    s8[g * 16 + r] = (__m256)(sl + sh);                                      \
+                }                                                                            \
+            }                                                                                \
+            for (int g = 0; g < G; ++g) {                                                    \
+                __m256 w[2];                                                                 \
+                for (int r = rows; r < 16; ++r) s8[g * 16 + r] = _mm256_setzero_ps();        \
+                reduce16_s8(s8 + g * 16, w);                                                 \
+                for (int k = 0; k < 2; ++k) {                                                \
+                    if (QUANT) w[k] = _mm256_mul_ps(w[k], _mm256_loadu_ps(rs + 8 * k));      \
+                    _mm256_storeu_ps(scores + g * stride + t0 + 8 * k, w[k]);                \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        softmax_rows(scores, G, len, stride, sums);                                          \
+        for (int i = 0; i < G * C; ++i) al[i] = ah[i] = splat8(0.0f);                        \
+        for (int64_t t = 0; t < len; ++t) {                                                  \
+            if (t + 16 < len) PREFETCH_ROW(v_cache, t + 16, row_bytes);                      \
+            const CT *vrow = ROW(v_cache, t);                                                \
+            const float vs = QUANT ? RSCALE(vrow, head_dim) : 1.0f;                          \
+            for (int c = 0; c < C; ++c) {                                                    \
+                xl[c] = KVLOAD##_8(vrow + 16 * c);                                           \
+                xh[c] = KVLOAD##_8(vrow + 16 * c + 8);                                       \
+            }                                                                                \
+            for (int g = 0; g < G; ++g) {                                                    \
+                const float p = QUANT ? scores[g * stride + t] * vs : scores[g * stride + t];\
+                const v8sf pv = splat8(p);                                                   \
+                for (int c = 0; c < C; ++c) {                                                \
+                    al[g * C + c] += pv * xl[c];                                             \
+                    ah[g * C + c] += pv * xh[c];                                             \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int g = 0; g < G; ++g) {                                                        \
+            const int64_t orow = (b * num_heads + kvh * G + g) * head_dim;                   \
+            const v8sf inv = splat8(1.0f / sums[g]);                                         \
+            for (int c = 0; c < C; ++c) {                                                    \
+                float o[16];                                                                 \
+                const v8sf lo = al[g * C + c] * inv, hi = ah[g * C + c] * inv;               \
+                __builtin_memcpy(o, &lo, sizeof lo);                                         \
+                __builtin_memcpy(o + 8, &hi, sizeof hi);                                     \
+                for (int i = 0; i < 16; ++i) OSTORE(out, orow + 16 * c + i, o[i]);           \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    DEFINE_VECTOR_ENTRY(NAME, T, CT)
+#else
 /* scores: G rows of `stride` = len rounded up to 16 floats. T, QVLOAD, OSTORE, CT and
  * QUANT as in DEFINE_SCALAR; KVLOAD reads 16 cache elements. With QUANT, the 16 rows'
  * scales (rs) multiply their 16 scores in one vector product, a V row's scale its weights. */
@@ -431,19 +606,8 @@ static inline v16sf reduce16(const v16sf *p) {
             }                                                                                \
         }                                                                                    \
     }                                                                                        \
-    /* The common shapes get copies with G and C known, so accumulators stay in registers. */\
-    static void NAME(const T *q, const CT *k_cache, const CT *v_cache, const int32_t *table, \
-                     int64_t b, int kvh, int64_t len, int num_heads, int kv_heads,           \
-                     int head_dim, int block_size, float scale, float *scores, v16sf *qv,    \
-                     v16sf *part, v16sf *acc, T *out, int qtype) {                           \
-        const int G = num_heads / kv_heads, C = head_dim / 16;                               \
-        switch (G * 64 + C) {                                                                \
-        SHAPE_CASES(NAME)                                                                    \
-        default:                                                                             \
-            NAME##_impl(q, k_cache, v_cache, table, b, kvh, len, num_heads, kv_heads,        \
-                        block_size, scale, scores, qv, part, acc, out, qtype, G, C);         \
-        }                                                                                    \
-    }
+    DEFINE_VECTOR_ENTRY(NAME, T, CT)
+#endif
 
 /* ---- entry points ------------------------------------------------------------------------
  * DEFINE_DECODE defines `static int NAME(..., int qtype)`; the exported kernels wrap it. */
