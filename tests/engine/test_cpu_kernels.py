@@ -15,6 +15,11 @@ Prefill: every chunk of a step in one call, each chunk the last positions of its
 and runs float32 causal attention chunk by chunk. Shapes cover every head_dim the kernel
 takes, 1-8 query heads per KV head (row tiles that do and do not fill a 16-row vector),
 chunks shorter and longer than a 64-key tile, block sizes 4-32 and 1-3 threads.
+
+Both vector paths: with AVX2 and no AVX-512 the kernels compute in 8-lane halves, elsewhere
+in 16-lane vectors. A second build for the path this CPU does not take by default (AVX2's
+on an AVX-512 CPU, the 16-lane one on an AVX2 CPU) must give the same outputs, so both
+paths run on any x86 machine that runs the suite.
 """
 
 from __future__ import annotations
@@ -560,3 +565,92 @@ class _Spy:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._kernels, name)
+
+
+def _other_vector_path() -> str | None:
+    """The flag that builds the attention kernels' other vector path on this CPU: an
+    AVX-512 CPU also runs the AVX2 (8-lane) path, an AVX2 one the generic 16-lane path;
+    None elsewhere (no second path to run)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
+    )
+    if "avx512f" in flags:
+        return "-mno-avx512f"
+    return "-mno-avx2" if "avx2" in flags else None
+
+
+@pytest.fixture(scope="module")
+def other_path() -> Any:
+    """The kernels built for the other vector path (module docstring of csrc/paged_decode.h:
+    AVX2 computes in 8-lane halves, AVX-512 and the rest in 16-lane vectors)."""
+    flag = _other_vector_path()
+    if KERNELS is None or flag is None:
+        pytest.skip("needs the kernels and an x86 CPU with AVX2 or AVX-512")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "_FLAGS", [*cpu_kernels._FLAGS, flag])
+        other = cpu_kernels.build_library(
+            cpu_kernels._SOURCES,
+            "the other path's kernels",
+            "no comparison",
+            cpu_kernels.CpuKernels,
+        )
+    assert other is not None, f"the kernels did not build with {flag}"
+    return other
+
+
+# the 8-lane path sums each lane's terms in the 16-lane path's order; only the softmax's
+# vectorised sum may group differently at another vector width (a few float32 ulp)
+SAME_PATH_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 8e-3}
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("kv_heads", "groups", "head_dim"), [(4, 4, 64), (2, 3, 32), (1, 8, 128), (3, 2, 80)]
+)
+def test_both_vector_paths_decode_alike(
+    other_path: Any, dtype: torch.dtype, kv_dtype: str, kv_heads: int, groups: int, head_dim: int
+) -> None:
+    assert KERNELS is not None
+    case = random_case(
+        dtype=dtype,
+        kv_heads=kv_heads,
+        groups=groups,
+        head_dim=head_dim,
+        block_size=16,
+        lens=LENS,
+        kv_cache_dtype=kv_dtype,
+    )
+    outs = [
+        kern.paged_decode(*case, head_dim**-0.5, num_threads=2, kv_cache_dtype=kv_dtype)
+        for kern in (KERNELS, other_path)
+    ]
+    tol = SAME_PATH_TOLERANCE[dtype]
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(4, 4, 64), (1, 3, 32), (3, 1, 128)])
+def test_both_vector_paths_prefill_alike(
+    other_path: Any, dtype: torch.dtype, kv_heads: int, groups: int, head_dim: int
+) -> None:
+    assert KERNELS is not None
+    case = prefill_case(
+        dtype=dtype,
+        kv_heads=kv_heads,
+        groups=groups,
+        head_dim=head_dim,
+        block_size=16,
+        chunks=CHUNKS,
+    )
+    outs = [
+        kern.paged_prefill(*case, head_dim**-0.5, num_threads=2) for kern in (KERNELS, other_path)
+    ]
+    tol = SAME_PATH_TOLERANCE[dtype]
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
