@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import importlib.util
 import inspect
 import json
 import os
@@ -23,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -356,6 +359,73 @@ def _randomize_qkv_biases(model: Any) -> None:
                 proj.bias.normal_(0.0, QWEN2_BIAS_STD)
 
 
+# A reference of more prompt-tokens than this runs in processes, a share of the prompts
+# each (one per usable CPU): minutes of `generate` otherwise use one core of two.
+HF_PARALLEL_TOKENS = 4096
+HF_REFERENCE = Path(__file__).with_name("hf_reference.py")
+HF_PROCESS_TIMEOUT_S = 1800.0
+
+
+def _hf_reference_module() -> Any:
+    """tests/hf_reference.py, imported by path (the tests folder is no package)."""
+    spec = importlib.util.spec_from_file_location("pdserve_tests_hf_reference", HF_REFERENCE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _folder_digest(folder: Path) -> str:
+    """A checkpoint folder's identity by content: equal folders share references, and a
+    folder rewritten in place (or a new one at a reused path) gets its own."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _hf_in_processes(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, kv_cache_dtype: str
+) -> list[list[int]]:
+    """`hf_reference.generate` over `prompts`, a share in each of several processes (one
+    per usable CPU); the shares' tokens back in the prompts' order."""
+    from pdserve.common.engine_config import usable_cpus
+
+    shares = min(usable_cpus(), len(prompts))
+    procs, outs = [], []
+    with tempfile.TemporaryDirectory(prefix="pdserve-hf-") as tmp:
+        try:
+            for k in range(shares):
+                job, out = Path(tmp) / f"job{k}.json", Path(tmp) / f"out{k}.json"
+                job.write_text(
+                    json.dumps(
+                        {
+                            "model_dir": str(model_dir),
+                            "prompts": prompts[k::shares],
+                            "max_new_tokens": max_new_tokens,
+                            "kv_cache_dtype": kv_cache_dtype,
+                        }
+                    )
+                )
+                argv = [sys.executable, str(HF_REFERENCE), str(job), str(out)]
+                with open(Path(tmp) / f"err{k}.txt", "w") as err:  # no pipe to fill
+                    procs.append(subprocess.Popen(argv, stdout=err, stderr=err))
+            for k, proc in enumerate(procs):
+                proc.wait(timeout=HF_PROCESS_TIMEOUT_S)
+                assert proc.returncode == 0, (Path(tmp) / f"err{k}.txt").read_text()[-3000:]
+                outs.append(json.loads((Path(tmp) / f"out{k}.json").read_text()))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for k, share in enumerate(outs):
+        tokens[k::shares] = share
+    return tokens
+
+
 @pytest.fixture(scope="session")
 def hf_greedy() -> HFGreedy:
     """`transformers`' greedy tokens: `hf_greedy(model_dir, prompts, max_new_tokens)`.
@@ -364,55 +434,39 @@ def hf_greedy() -> HFGreedy:
     every serving path's tokens must equal (docs/architecture.md, "The engine").
     `kv_cache_dtype="int8"` or `"fp8"`: with every K and V rounded through that 8-bit
     format (`engine/modeling/kv_quant.py`) before attention, the model an 8-bit KV cache serves.
+    The code is tests/hf_reference.py's.
+
+    Each prompt's tokens are computed once per session and checkpoint content: greedy
+    decoding's first n tokens do not depend on how many follow, so a shorter request is
+    a prefix of the longest one computed. A long reference runs in processes, a share
+    of the prompts each (HF_PARALLEL_TOKENS; `processes=True` or False decides).
     """
+    reference = _hf_reference_module()
+    known: dict[tuple[str, str], dict[tuple[int, ...], list[int]]] = {}
 
     def generate(
         model_dir: Path,
         prompts: list[list[int]],
         max_new_tokens: int,
         kv_cache_dtype: str = "auto",
+        *,
+        processes: bool | None = None,
     ) -> list[list[int]]:
-        from transformers import AutoModelForCausalLM
-
-        attn = "sdpa" if kv_cache_dtype == "auto" else _kv8_attention(kv_cache_dtype)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation=attn
-        ).eval()
-        # ignore_eos on our side; on theirs, no eos at all (min_new_tokens would *mask* eos).
-        model.generation_config.eos_token_id = None
-        outs = []
-        with torch.inference_mode():
-            for prompt in prompts:
-                ids = model.generate(
-                    torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-                outs.append(ids[0, len(prompt) :].tolist())
-        return outs
+        done = known.setdefault((_folder_digest(model_dir), kv_cache_dtype), {})
+        keys = [tuple(int(t) for t in p) for p in prompts]
+        todo = [list(k) for k in dict.fromkeys(keys) if len(done.get(k, ())) < max_new_tokens]
+        got: list[list[int]] = []
+        if processes is None:
+            processes = len(todo) > 1 and len(todo) * max_new_tokens > HF_PARALLEL_TOKENS
+        if todo and processes:
+            got = _hf_in_processes(model_dir, todo, max_new_tokens, kv_cache_dtype)
+        elif todo:
+            got = reference.generate(model_dir, todo, max_new_tokens, kv_cache_dtype)
+        for prompt, tokens in zip(todo, got, strict=True):
+            done[tuple(prompt)] = tokens
+        return [done[k][:max_new_tokens] for k in keys]
 
     return generate
-
-
-def _kv8_attention(kv_cache_dtype: str) -> str:
-    """The name of a `transformers` attention that rounds K and V through an 8-bit KV
-    format first (the whole cache each call: the rounding is idempotent, so tokens
-    rounded in an earlier step are unchanged), registered on first use."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from pdserve.engine.modeling.kv_quant import fake_quantize
-
-    name = f"pdserve_kv_{kv_cache_dtype}"
-
-    def attention(module: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
-        key, value = fake_quantize(key, kv_cache_dtype), fake_quantize(value, kv_cache_dtype)
-        return sdpa_attention_forward(module, query, key, value, *args, **kw)
-
-    AttentionInterface.register(name, attention)
-    return name
 
 
 # -- `pdserve up` as a subprocess ---------------------------------------------------------

@@ -1,0 +1,30 @@
+"""The `hf_greedy` fixture (tests/conftest.py, tests/hf_reference.py) that every serving
+path's tokens are held to: its share-per-process path gives the in-process tokens, and
+a shorter request is served from a longer one as its prefix."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+NAME = "hf_reference.py"
+PROMPTS = [[5, 17, 99, 3], [250, 4, 4, 31, 8, 77], [12]]
+
+
+def test_the_shares_give_one_process_tokens_and_shorter_is_a_prefix(
+    make_checkpoint: Any, hf_greedy: Any
+) -> None:
+    model_dir = make_checkpoint(seed=7)
+    # a share of the prompts per process (fresh: nothing known of this checkpoint yet)
+    want = hf_greedy(model_dir, PROMPTS, 20, processes=True)
+    assert all(len(w) == 20 for w in want)
+    # in this process, every prompt in order: the shares came back in the prompts' order
+    spec = importlib.util.spec_from_file_location("hf_reference", Path(__file__).parent / NAME)
+    assert spec is not None and spec.loader is not None
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    longer = reference.generate(model_dir, PROMPTS, 28)
+    assert [t[:20] for t in longer] == want
+    # served from what is known: the prefix of the longest computed
+    assert hf_greedy(model_dir, [PROMPTS[1], PROMPTS[1]], 9) == [want[1][:9]] * 2
