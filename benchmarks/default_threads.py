@@ -13,8 +13,12 @@ process, since torch's thread count is per process:
 - `torch.set_num_threads(2)`: `LLM(model)` after the user set torch's count first, as
   one does with any torch program (the engine's default is the usable CPUs either way).
 
-Each figure is the best of REPEATS runs: of the whole batch (prefill included), and of
-its decode once every request has its first token (the batch-32 decode rate).
+Each figure is the best of REPEATS runs in each of ROUNDS processes per setting: of the
+whole batch (prefill included), and of its decode once every request has its first
+token (the batch-32 decode rate). The rounds take the settings in turn (1, default,
+set_num_threads, 1, ...), so a slow spell of a shared host (its other tenants) spoils
+one process of each setting, not every process of one: noise only slows, and the best
+of each is the setting's rate.
 
 The line that matters is the ratio of each to the baseline's decode tokens/s, printed
 with the CPU (benchmarks/machine.py). `OMP_NUM_THREADS` is removed from the children's
@@ -45,6 +49,7 @@ from pdserve.benchmarks.machine import print_machine
 SETTINGS = ("num_threads=1", "default", "torch.set_num_threads(2)")
 CHILD_TIMEOUT_S = 1800
 REPEATS = 3
+ROUNDS = 2  # --quick: one (a smoke run)
 
 
 def run_one(model_dir: str, dtype: str, setting: str, quick: bool) -> dict[str, float]:
@@ -125,7 +130,7 @@ def main() -> None:
 
         tokenizer_dir = write_random_model(Path(tmp) / "random")
         model_dir = build_checkpoint(MODELS[model], Path(tmp) / model, tokenizer_dir)
-        for setting in SETTINGS:
+        for setting in [s for _ in range(1 if args.quick else ROUNDS) for s in SETTINGS]:
             argv = [
                 sys.executable,
                 "-m",
@@ -139,7 +144,10 @@ def main() -> None:
             )
             if out.returncode != 0:
                 raise SystemExit(f"{setting}: exit {out.returncode}\n{out.stderr[-3000:]}")
-            results[setting] = json.loads(out.stdout.strip().splitlines()[-1])
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            best = results.setdefault(setting, got)
+            for key in ("tok_s", "decode_tok_s"):
+                best[key] = max(best[key], got[key])
     base = results["num_threads=1"]["tok_s"]
     batch = (QUICK if args.quick else FULL).big_batch
     print(f"\n{model} {args.dtype}, batch-{batch} decode, each setting in a process of its own")
