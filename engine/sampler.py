@@ -17,6 +17,7 @@ import torch
 from numpy.typing import NDArray
 
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.cpu import kernels as cpu_kernels
 from pdserve.engine.sched.sequence import TokenLogprobs
 
 
@@ -30,6 +31,8 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
         self._generator = torch.Generator(device=device).manual_seed(seed)
+        # On a CPU, greedy rows take the C kernels' argmax (csrc/model_ops.c), where built.
+        self._kernels = cpu_kernels.load() if device.type == "cpu" else None
 
     def __call__(
         self, logits: torch.Tensor, positions: Seq[int], params: Seq[SamplingParams]
@@ -45,7 +48,7 @@ class Sampler:
         self, logits: torch.Tensor, positions: Seq[int], params: Seq[SamplingParams]
     ) -> list[int]:
         """`__call__`'s tokens, without logprobs."""
-        token_ids = logits.argmax(dim=-1)  # [N]; right for every greedy row
+        token_ids = self._argmax(logits)  # [N]; right for every greedy row
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -57,6 +60,12 @@ class Sampler:
             token_ids = token_ids.index_copy(0, rows, sampled)
         ids: list[int] = token_ids.tolist()
         return ids
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits.argmax(dim=-1)`, the same indices (first maximum, first NaN)."""
+        if self._kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+            return self._kernels.argmax(logits, torch.get_num_threads())
+        return logits.argmax(dim=-1)
 
     def logprobs(
         self,

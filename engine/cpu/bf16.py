@@ -43,6 +43,15 @@ class Bf16CpuKernel:
             *[ctypes.c_int64] * 3,  # B, N, K
             ctypes.c_int,  # threads
         ]
+        self._fn_bf16 = lib.bf_linear_bf16
+        self._fn_bf16.restype = ctypes.c_int
+        self._fn_bf16.argtypes = [
+            ctypes.c_void_p,  # x (bfloat16)
+            ctypes.c_int64,  # x's row stride
+            *[ctypes.c_void_p] * 3,  # packed weight, bias (float32, or NULL), y (bfloat16)
+            *[ctypes.c_int64] * 3,  # B, N, K
+            ctypes.c_int,  # threads
+        ]
         lib.bf_linear_path.restype = ctypes.c_int
         self.path = int(lib.bf_linear_path())
         perm = lib.bf_linear_perm
@@ -93,6 +102,48 @@ class Bf16CpuKernel:
             in_features,
             torch.get_num_threads(),
         )
+        if status:
+            raise ValueError(f"the bf16 linear does not take x {tuple(x.shape)}")
+        return y
+
+    def linear_bf16(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, K] bfloat16 @ w.T (+ `bias`, float32) for `packed` = pack(w), rounded once
+        to bfloat16: `linear(x, ...)` plus the bias, `.to(bfloat16)`, equal to the bit, in
+        one call (the widening of x and the rounding of y inside it: no torch op on
+        either side)."""
+        if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+            raise ValueError(
+                f"takes CPU bfloat16 x [T, in_features], not {x.dtype} {tuple(x.shape)}"
+            )
+        if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+            x = x.contiguous()
+        batch, in_features = x.shape
+        if in_features != packed.shape[1] or out_features > packed.shape[0] * PANEL:
+            raise ValueError(f"x {tuple(x.shape)} does not fit a weight of {tuple(packed.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
+            raise ValueError(f"the bias must be float32 [{out_features}], not {bias.dtype}")
+        if bias is not None:
+            bias = bias.contiguous()
+        y = torch.empty(batch, out_features, dtype=torch.bfloat16)
+        status = self._fn_bf16(
+            x.data_ptr(),
+            x.stride(0),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            batch,
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
+        if status == -3:
+            raise MemoryError(f"the bf16 linear could not allocate for x {tuple(x.shape)}")
         if status:
             raise ValueError(f"the bf16 linear does not take x {tuple(x.shape)}")
         return y

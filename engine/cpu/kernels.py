@@ -50,7 +50,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _CSRC = Path(__file__).with_name("csrc")
-_HEADERS = (_CSRC / "paged_decode.h", _CSRC / "paged_prefill_item.h", _CSRC / "exp2_poly.h")
+_HEADERS = (
+    _CSRC / "paged_decode.h",
+    _CSRC / "paged_prefill_item.h",
+    _CSRC / "exp2_poly.h",
+    _CSRC / "bf16.h",
+)
 _SOURCES = (
     _CSRC / "paged_decode.c",
     _CSRC / "paged_decode_kv8.c",
@@ -199,6 +204,9 @@ class CpuKernels:
         rotary_args = (ptr, i64, ptr, i64, ptr, i64, ptr, ptr, cint, cint, cint, ptr, ptr, i64)
         self._rotary = _bind(lib.pd_rotary_neox, *rotary_args)
         self._silu_mul = _bind(lib.pd_silu_mul, ptr, ptr, i64, i64)
+        self._argmax = lib.pd_argmax_f32
+        self._argmax.restype = ctypes.c_int
+        self._argmax.argtypes = [ptr, i64, i64, i64, ptr, cint]  # x, rows, n, stride, out
 
     # -- the model's small ops (csrc/model_ops.c): engine/modeling/ops.py's CpuOps --------
 
@@ -300,6 +308,24 @@ class CpuKernels:
             num_threads,
         )
         _raise_for_op("silu_mul", status, gate_up)
+        return out
+
+    def argmax(self, logits: torch.Tensor, num_threads: int = 1) -> torch.Tensor:
+        """`logits.argmax(dim=-1)` for float32 rows [N, vocab] (the first maximum, or the
+        first NaN), int64 [N]: a greedy step's tokens without torch's element-by-element
+        reduction."""
+        if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu":
+            raise ValueError(f"argmax takes CPU float32 [N, vocab], not {logits.dtype}")
+        if logits.stride(1) != 1 or logits.shape[1] == 0:
+            logits = logits.contiguous()
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows == 0:
+            return out
+        status = self._argmax(
+            logits.data_ptr(), rows, vocab, logits.stride(0), out.data_ptr(), num_threads
+        )
+        _raise_for_op("argmax", status, logits)
         return out
 
     def takes(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> bool:

@@ -134,6 +134,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             assert self.packed is not None
+            if x.dtype == torch.bfloat16:  # the model's own dtype: one call, no conversions
+                return self.kernel.linear_bf16(x, self.packed, self.out_features, self.bias)
             y = self.kernel.linear(x, self.packed, self.out_features)
             if self.bias is not None:
                 y += self.bias

@@ -74,3 +74,42 @@ def test_x_of_any_float_dtype_and_stride_and_bad_shapes() -> None:
         KERNEL.linear(torch.zeros(2, 25), packed, 32)
     with pytest.raises(ValueError, match="2-d bf16"):
         KERNEL.pack(weight.float())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 3, 13])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_in_and_out_equals_the_float32_call_rounded(
+    threads: int, batch: int, with_bias: bool
+) -> None:
+    """`linear_bf16` (the model's dtype in and out, the conversions inside the C call) is
+    `linear` plus the bias, `.to(bfloat16)`, bit for bit: NaN and infinity included,
+    x strided, a partial last panel, a decode's row or two and a prefill's block."""
+    assert KERNEL is not None
+    weight, x32 = _case(40, 37, batch, seed=batch * 10 + threads)
+    packed = KERNEL.pack(weight)
+    wide = torch.zeros(batch, 45, dtype=torch.bfloat16)
+    wide[:, 3:40] = x32.to(torch.bfloat16)
+    if batch > 2:
+        wide[1, 5] = float("inf")
+        wide[2, 7] = float("nan")
+    x = wide[:, 3:40]  # rows 45 apart
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(5)) if with_bias else None
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = KERNEL.linear_bf16(x, packed, 40, bias)
+        want = KERNEL.linear(x, packed, 40)
+    finally:
+        torch.set_num_threads(previous)
+    if bias is not None:
+        want += bias
+    want = want.to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (batch, 40)
+    both_nan = got.isnan() & want.isnan()
+    assert (got.isnan() == want.isnan()).all()
+    assert torch.equal(got.view(torch.int16)[~both_nan], want.view(torch.int16)[~both_nan])
+    with pytest.raises(ValueError, match="bfloat16"):
+        KERNEL.linear_bf16(x32, packed, 40)
+    with pytest.raises(ValueError, match="bias"):
+        KERNEL.linear_bf16(x, packed, 40, torch.zeros(39))

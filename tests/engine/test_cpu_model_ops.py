@@ -96,6 +96,30 @@ def test_silu_and_multiply(dtype: torch.dtype, rows: int, threads: int) -> None:
     same(KERNELS.silu_mul(gate_up, num_threads=threads), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("rows,vocab,threads", [(1, 1, 1), (3, 65, 1), (32, 4000, 2), (5, 200, 2)])
+def test_argmax_picks_what_torch_picks(rows: int, vocab: int, threads: int) -> None:
+    """The greedy sampler's argmax: torch's indices exactly, the first of tied maxima (a
+    block boundary included), the first NaN, a row of -inf, signed zeros, strided rows."""
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=gen)
+    tied = x.round()  # many equal maxima
+    tied[:, -1] = tied.max() + 1 if vocab > 64 else tied[:, -1]
+    tied[:, min(64, vocab - 1)] = tied[:, -1]  # ties across a 64-element block
+    nan = x.clone()
+    nan[:, vocab // 2] = float("nan")
+    nan[0, -1] = float("nan")
+    zeros = torch.zeros(rows, vocab)
+    zeros[:, : vocab // 2] = -0.0
+    wide = torch.randn(rows, vocab + 9, generator=gen)
+    cases = [x, tied, nan, zeros, -zeros, torch.full((rows, vocab), -float("inf")), wide[:, 4:-5]]
+    for case in cases:
+        assert torch.equal(KERNELS.argmax(case, threads), case.argmax(dim=-1))
+    assert KERNELS.argmax(torch.zeros(0, vocab), threads).shape == (0,)
+    with pytest.raises(ValueError, match="float32"):
+        KERNELS.argmax(x.to(torch.bfloat16), threads)
+
+
 def test_bad_inputs_are_refused_not_read_out_of_bounds() -> None:
     assert KERNELS is not None
     x = torch.randn(4, 64, dtype=torch.bfloat16)

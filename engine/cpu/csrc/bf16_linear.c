@@ -1,5 +1,6 @@
 /* A bfloat16-weight linear for CPUs without bf16 matmul (AVX2 + FMA, no AVX512-BF16/AMX):
- * y[b, n] = sum_k x[b, k] * w[n, k], x and y float32, w bfloat16.
+ * y[b, n] = sum_k x[b, k] * w[n, k], x and y float32 (`bf_linear`) or both bfloat16
+ * (`bf_linear_bf16`, the conversions inside the call), w bfloat16.
  *
  * Built by engine/cpu/kernels.py's _build (gcc -O3 -march=native), loaded with ctypes by
  * engine/cpu/bf16.py for engine/modeling/linear.py's Linear. oneDNN has no bf16 matmul on such a
@@ -22,7 +23,10 @@
  * cache from one block to the next. Returns 0, or -2 for arguments this file does not take.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -47,12 +51,6 @@ int bf_linear_path(void) {
 int bf_linear_perm(int q) {
     const int lane = q >> 3, j = q & 7;
     return (j < 4 ? 0 : 8) + lane * 4 + (j & 3);
-}
-
-INLINE float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
 }
 
 #ifdef BF_AVX2
@@ -157,25 +155,21 @@ __attribute__((unused)) static void rows_c(int64_t mr, const float *x, int64_t l
             if (n >= N) continue;
             float acc = 0.0f;
             for (int64_t k = 0; k < K; ++k)
-                acc = __builtin_fmaf(x[r * ldx + k], bf16_to_f32(panel[k * P + q]), acc);
+                acc = __builtin_fmaf(x[r * ldx + k], pd_from_bf16(panel[k * P + q]), acc);
             y[r * N + n] = acc;
         }
 }
 
-/* x [B, K] float32 rows `ldx` apart; w packed (above) for N outputs; y [B, N] float32. */
-int bf_linear(const float *x, int64_t ldx, const uint16_t *w, float *y, int64_t B, int64_t N,
-              int64_t K, int threads) {
-    if (B < 0 || N < 0 || K < 0 || ldx < K || threads < 1) return -2;
-    if (B == 0 || N == 0) return 0;
+/* y = x @ w.T for x [B, K] float32 rows `ldx` apart, w packed (above) for N outputs, y
+ * [B, N] float32; B, N, K > 0. Called by every thread of a parallel region (or outside
+ * one): the panels are shared out by orphaned `omp for` loops, each ending at a barrier. */
+static void linear_body(const float *x, int64_t ldx, const uint16_t *w, float *y, int64_t B,
+                        int64_t N, int64_t K) {
     const int64_t panels = (N + P - 1) / P;
-    if (K == 0) {
-        memset(y, 0, (size_t)(B * N) * sizeof(float));
-        return 0;
-    }
 #ifdef BF_AVX2
     if (B <= 2) { /* decode: panel pairs, so each thread streams its panels in order */
         const int64_t pairs = (panels + 1) / 2;
-        _Pragma("omp parallel for num_threads(threads) if (threads > 1) schedule(static)")
+        _Pragma("omp for schedule(static)")
         for (int64_t i = 0; i < pairs; ++i) {
             const int64_t p = 2 * i;
             const uint16_t *pa = w + p * K * P;
@@ -189,18 +183,83 @@ int bf_linear(const float *x, int64_t ldx, const uint16_t *w, float *y, int64_t 
                     rows(B, x, ldx, w + q * K * P, K, y, N, q * P);
             }
         }
-        return 0;
+        return;
     }
-    _Pragma("omp parallel for num_threads(threads) if (threads > 1) schedule(static)")
+    _Pragma("omp for schedule(static)")
     for (int64_t p = 0; p < panels; ++p)
         for (int64_t b = 0; b < B; b += MR) {
             const int64_t mr = B - b < MR ? B - b : MR;
             rows(mr, x + b * ldx, ldx, w + p * K * P, K, y + b * N, N, p * P);
         }
 #else
-    _Pragma("omp parallel for num_threads(threads) if (threads > 1) schedule(static)")
+    _Pragma("omp for schedule(static)")
     for (int64_t p = 0; p < panels; ++p)
         rows_c(B, x, ldx, w + p * K * P, K, y, N, p * P);
 #endif
+}
+
+/* x [B, K] float32 rows `ldx` apart; w packed (above) for N outputs; y [B, N] float32. */
+int bf_linear(const float *x, int64_t ldx, const uint16_t *w, float *y, int64_t B, int64_t N,
+              int64_t K, int threads) {
+    if (B < 0 || N < 0 || K < 0 || ldx < K || threads < 1) return -2;
+    if (B == 0 || N == 0) return 0;
+    if (K == 0) {
+        memset(y, 0, (size_t)(B * N) * sizeof(float));
+        return 0;
+    }
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    linear_body(x, ldx, w, y, B, N, K);
+    return 0;
+}
+
+/* The same for a bfloat16 model: x [B, K] bfloat16 rows `ldx` apart, y [B, N] bfloat16,
+ * each output its float32 sum plus bias[n] (float32; NULL: none) rounded once, as torch
+ * rounds `(x.float() @ w.T + bias).to(bfloat16)`. The widening of x, the sums and the
+ * rounding share one parallel region: no torch op (a dispatch, and a pass that ATen may
+ * not split) on either side of the kernel. Returns 0, -2 (arguments), -3 (no memory). */
+int bf_linear_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias,
+                   uint16_t *y, int64_t B, int64_t N, int64_t K, int threads) {
+    if (B < 0 || N < 0 || K < 0 || ldx < K || threads < 1) return -2;
+    if (B == 0 || N == 0) return 0;
+    float *xf = malloc((size_t)(B * (K > 0 ? K : 1)) * sizeof(float));
+    float *yf = malloc((size_t)(B * N) * sizeof(float));
+    if (xf == NULL || yf == NULL) {
+        free(xf);
+        free(yf);
+        return -3;
+    }
+    if (K == 0) memset(yf, 0, (size_t)(B * N) * sizeof(float));
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int64_t b = 0; b < B; ++b) {
+            const uint16_t *xb = x + b * ldx;
+            float *xo = xf + b * K;
+            _Pragma("omp simd") for (int64_t k = 0; k < K; ++k) xo[k] = pd_from_bf16(xb[k]);
+        }
+        if (K > 0) linear_body(xf, K, w, yf, B, N, K);
+        const int64_t total = B * N;
+        if (bias == NULL) {
+            _Pragma("omp for simd schedule(static)")
+            for (int64_t i = 0; i < total; ++i) y[i] = pd_to_bf16(yf[i]);
+        } else if (B >= 2 * threads) { /* rows to threads */
+            _Pragma("omp for schedule(static)")
+            for (int64_t b = 0; b < B; ++b) {
+                const float *yb = yf + b * N;
+                uint16_t *out = y + b * N;
+                _Pragma("omp simd") for (int64_t n = 0; n < N; ++n)
+                    out[n] = pd_to_bf16(yb[n] + bias[n]);
+            }
+        } else { /* a decode's row or two: each row's columns to threads */
+            for (int64_t b = 0; b < B; ++b) {
+                const float *yb = yf + b * N;
+                uint16_t *out = y + b * N;
+                _Pragma("omp for simd schedule(static)")
+                for (int64_t n = 0; n < N; ++n) out[n] = pd_to_bf16(yb[n] + bias[n]);
+            }
+        }
+    }
+    free(xf);
+    free(yf);
     return 0;
 }

@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define I8_AVX512 1
@@ -72,23 +74,9 @@ int64_t i8_pack_index(int64_t n, int64_t k, int64_t K) {
     return ((n / R * chunks + j) * R + n % R) * C + p;
 }
 
-INLINE float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-INLINE uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(v.u >> 16);
-}
-
 INLINE float load_f(int dtype, const void *p, int64_t i) {
     if (dtype == DT_F32) return ((const float *)p)[i];
-    if (dtype == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dtype == DT_BF16) return pd_from_bf16(((const uint16_t *)p)[i]);
     return (float)((const _Float16 *)p)[i];
 }
 
@@ -96,7 +84,7 @@ INLINE void store_f(int dtype, void *p, int64_t i, float v) {
     if (dtype == DT_F32)
         ((float *)p)[i] = v;
     else if (dtype == DT_BF16)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
+        ((uint16_t *)p)[i] = pd_to_bf16(v);
     else
         ((_Float16 *)p)[i] = (_Float16)v;
 }
@@ -193,7 +181,7 @@ INLINE __m128i store_bf16x4(__m128 v) {
     float f[4];
     uint16_t h[4] = {0};
     _mm_storeu_ps(f, v);
-    for (int i = 0; i < 4; ++i) h[i] = f32_to_bf16(f[i]);
+    for (int i = 0; i < 4; ++i) h[i] = pd_to_bf16(f[i]);
     return _mm_loadl_epi64((const __m128i *)h);
 #endif
 }
