@@ -15,10 +15,12 @@ process, since torch's thread count is per process:
 
 Each figure is the best of REPEATS runs in each of ROUNDS processes per setting: of the
 whole batch (prefill included), and of its decode once every request has its first
-token (the batch-32 decode rate). The rounds take the settings in turn (1, default,
-set_num_threads, 1, ...), so a slow spell of a shared host (its other tenants) spoils
-one process of each setting, not every process of one: noise only slows, and the best
-of each is the setting's rate.
+token (the batch-32 decode rate). The rounds take the settings in turn, each round
+starting one setting later (1, default, set; default, set, 1; set, 1, default), so a
+slow spell of a shared host (its other tenants) spoils one process of each setting, not
+every process of one, and no setting always runs first after an idle host or last
+after a busy one (on a 2-core EPYC VM the same setting measured 504 decode tok/s run
+first and 405 run fourth): noise only slows, and the best of each is the setting's rate.
 
 The line that matters is the ratio of each to the baseline's decode tokens/s, printed
 with the CPU (benchmarks/machine.py). `OMP_NUM_THREADS` is removed from the children's
@@ -49,7 +51,7 @@ from pdserve.benchmarks.machine import print_machine
 SETTINGS = ("num_threads=1", "default", "torch.set_num_threads(2)")
 CHILD_TIMEOUT_S = 1800
 REPEATS = 3
-ROUNDS = 2  # --quick: one (a smoke run)
+ROUNDS = 3  # each setting once in each position; --quick: one round (a smoke run)
 
 
 def run_one(model_dir: str, dtype: str, setting: str, quick: bool) -> dict[str, float]:
@@ -82,6 +84,12 @@ def run_one(model_dir: str, dtype: str, setting: str, quick: bool) -> dict[str, 
         tok_s, decode_tok_s = _timed_batch(llm.engine, workload.prompts, params, repeat)
         best, best_decode = max(best, tok_s), max(best_decode, decode_tok_s)
     return {"tok_s": best, "decode_tok_s": best_decode, "threads": float(torch.get_num_threads())}
+
+
+def _order(rounds: int) -> list[str]:
+    """The settings, round after round, each round starting one setting later."""
+    n = len(SETTINGS)
+    return [SETTINGS[(r + i) % n] for r in range(rounds) for i in range(n)]
 
 
 def _timed_batch(
@@ -130,7 +138,7 @@ def main() -> None:
 
         tokenizer_dir = write_random_model(Path(tmp) / "random")
         model_dir = build_checkpoint(MODELS[model], Path(tmp) / model, tokenizer_dir)
-        for setting in [s for _ in range(1 if args.quick else ROUNDS) for s in SETTINGS]:
+        for setting in _order(1 if args.quick else ROUNDS):
             argv = [
                 sys.executable,
                 "-m",
