@@ -90,9 +90,15 @@ def test_a_replica_takes_the_cpus_its_pool_gives_it() -> None:
 # Run in a fresh process: an OpenMP runtime that no thread has used yet. Prints the
 # native threads (not Python's) started while an AsyncEngine is built and serves one
 # request: libgomp's worker threads, `num_threads - 1` for each thread that ran torch's
-# parallel work.
+# parallel work. Two other sources are kept out of the count:
+# - torch.set_num_threads also sizes torch's pthreadpool (used by QNNPACK/XNNPACK), whose
+#   threads belong to no thread; sizing it before `before` leaves the engine's call at the
+#   same size, which starts nothing;
+# - threads are counted while the engine still runs: a thread that has just been joined
+#   (the engine thread after close, and its libgomp workers with it) can linger in /proc.
 _TEAMS = """
 import asyncio, os, sys, threading
+import torch
 from pdserve.common.engine_config import EngineConfig
 from pdserve.engine import SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
@@ -105,6 +111,7 @@ def native():
 def make():
     return LLMEngine(sys.argv[1], EngineConfig(num_threads=2, num_kv_blocks=64, dtype="float32"))
 
+torch.set_num_threads(2)  # the pthreadpool's size, not an OpenMP team
 before = native()
 engine = AsyncEngine(make) if sys.argv[2] == "factory" else AsyncEngine(make())
 params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -114,11 +121,13 @@ def start(e):
 
 async def serve():
     tokens = [t async for out in engine.stream("r", start) for t in out.new_token_ids]
+    started = len(native() - before)
     await engine.close()
-    return tokens
+    return tokens, started
 
-assert len(asyncio.run(serve())) == 4
-print(len(native() - before))
+tokens, started = asyncio.run(serve())
+assert len(tokens) == 4
+print(started)
 """
 
 
