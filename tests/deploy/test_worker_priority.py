@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cluster  # starts Ray (tests/conftest.py, 'test tiers')
 
 _SCRIPT = """
 import os, ray
-ray.init(include_dashboard=False, num_cpus=1, log_to_driver=False)
+ray.init(address="local", include_dashboard=False, num_cpus=1, log_to_driver=False)
 try:
     @ray.remote(num_cpus=0)
     def priority():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,14 @@ FLOOD = 400
 RSS_GROWTH_LIMIT_MIB = 64.0
 
 
-def router_rss_mib() -> float:
-    """Resident memory of the (single) router replica process of this test's cluster."""
+def router_rss_mib(session: int | None) -> float:
+    """Resident memory of the (single) router replica process of this test's cluster
+    (of the session `pdserve up` started: another cluster may run beside it)."""
+    assert session is not None
     for proc in Path("/proc").glob("[0-9]*"):
         try:
+            if os.getsid(int(proc.name)) != session:
+                continue
             if b"ServeReplica:pdserve:Router" not in (proc / "cmdline").read_bytes():
                 continue
             status = (proc / "status").read_text()
@@ -87,12 +92,12 @@ def test_a_flood_is_shed_with_429_and_leaves_nothing_behind(
     )
     with pdserve_up(model_dir, *flags) as url:
         asyncio.run(flood(url))  # warm-up: the router's caches and pools reach size
-        rss_before = router_rss_mib()
+        rss_before = router_rss_mib(url.session)
         aborted_before = sum(w["aborted"] for w in api.get_json(f"{url}/workers")["workers"])
         outcomes = asyncio.run(flood(url))
         assert set(outcomes) <= {"ok", "429", "hung up"}, outcomes
         assert outcomes["429"] > 0 and outcomes["ok"] > 0, outcomes
-        assert router_rss_mib() - rss_before < RSS_GROWTH_LIMIT_MIB
+        assert router_rss_mib(url.session) - rss_before < RSS_GROWTH_LIMIT_MIB
         assert api.metric(url, "pdserve_router_inflight_requests") == 0
         workers = api.get_json(f"{url}/workers")["workers"]
         for w in workers:

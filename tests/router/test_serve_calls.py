@@ -155,7 +155,7 @@ def test_concurrent_calls_from_one_serve_request_are_all_answered() -> None:
                 answered += sum(1 for t in done if t.exception() is None)
             return answered
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         handle = serve.run(Caller.bind(Echo.bind()), name="serve-calls", route_prefix=None)
         rounds, width = 8, 6
