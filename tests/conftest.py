@@ -811,9 +811,7 @@ TIER_FIXTURES = {
 UMBRELLA = ("redis", "multinode", "demo")  # each is `cluster` too
 
 
-# tryfirst: the tiers and the workers' units are set before pytest-xdist reads them.
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         for marker, fixtures in TIER_FIXTURES.items():
@@ -822,39 +820,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         umbrella = any(item.get_closest_marker(name) for name in UMBRELLA)
         if umbrella and item.get_closest_marker("cluster") is None:
             item.add_marker("cluster")
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        _worker_units(items)
-
-
-# -- workers ------------------------------------------------------------------------------
-#
-# `python -m pytest -n auto` (the README's command) runs the suite in WORKERS processes
-# (pytest-xdist; pyproject's addopts choose `--dist loadgroup --no-loadscope-reorder`).
-# A cluster test spends about a third of its time with both cores idle (Ray and Serve
-# starting and stopping, replicas importing, polls of an external state): two at a time
-# fill that time. A unit of work is one test file, so a module's cluster starts once and
-# its tests run in order on one worker; the multinode tests are one unit (their
-# namespaces' subnets come from the pid, two workers' pids may map to one) and so are
-# the demo tests (the model trains once per worker that asks for it, ~40 s). Units run in
-# collection order, the cluster tier's first: the long ones start early and the short,
-# CPU-bound files of the fast tier fill the end. Without `-n`, nothing of this applies.
-WORKERS = 2
-SHARED_UNITS = ("multinode", "demo")
-
-
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: WORKERS, fewer on a machine with fewer usable CPUs (more were not
-    measured: each worker's clusters take a core's share of memory and ports)."""
-    return max(1, min(WORKERS, len(os.sched_getaffinity(0))))
-
-
-def _worker_units(items: list[pytest.Item]) -> None:
-    """Each item's unit (an `xdist_group`), and the cluster tier's units first."""
-    for item in items:
-        shared = [name for name in SHARED_UNITS if item.get_closest_marker(name)]
-        unit = shared[0] if shared else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(unit))
-    items.sort(key=lambda item: item.get_closest_marker("cluster") is None)  # stable
 
 
 class _TierGuard:
