@@ -52,6 +52,10 @@ def test_disaggregated_cluster_on_the_triton_kernels(
         *("--prefill-replicas", "1", "--decode-replicas", "1"),
         *("--dtype", "float32", "--block-size", str(BLOCK), "--replica-cpus", "0"),
         *("--threads", "1", "--heartbeat-s", "0.5"),
+        # a step of 32 tokens at most: the prefill worker's start-up warm-up is two
+        # prompts of the step budget (512 tokens at most), through every interpreted
+        # kernel: 90 s of this test's 128 with the default budget (2026-12-07)
+        *("--max-num-batched-tokens", "32"),
     )
     with pdserve_up(model_dir, *flags) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
