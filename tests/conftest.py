@@ -543,12 +543,17 @@ def start_cluster(model_dir: Path, *args: str) -> Iterator[str]:
     Unless ARGS say otherwise, `--disagg-policy always`: a disaggregated test proves the
     split for every request (conditional disaggregation would prefill short prompts on
     the decode worker, on purpose); tests/router/test_conditional_cluster.py runs the
-    default policy.
+    default policy. And `--ingress-drain-s 0` (see below).
     """
     argv = [sys.executable, "-m", "pdserve.deploy.cli", "up", "--model", str(model_dir)]
     argv += ["--port", str(cluster_port()), *args]
     if "--disagg-policy" not in args:
         argv += ["--disagg-policy", "always"]
+    if "--ingress-drain-s" not in args:
+        # no load balancer in front to take a stopping router out first: its 2 s of
+        # draining would only add to every stop (tests/faults/test_graceful_shutdown.py
+        # stops with the default)
+        argv += ["--ingress-drain-s", "0"]
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1"}
     # stderr (Ray's and the replicas' logs) goes to ours, so a failure shows it.
     proc = subprocess.Popen(
