@@ -426,6 +426,27 @@ def _hf_in_processes(
     return tokens
 
 
+def _hold_to_reference(
+    reference: Any,
+    model_dir: Path,
+    keys: list[tuple[int, ...]],
+    candidates: list[list[int]],
+    max_new_tokens: int,
+    done: dict[tuple[int, ...], list[int]],
+) -> None:
+    """Record in `done` each candidate that is transformers' greedy continuation of its
+    prompt (`hf_greedy(..., candidates=)`); leave the others for `generate`."""
+    todo = {
+        k: [int(t) for t in c]
+        for k, c in zip(keys, candidates, strict=True)
+        if len(c) == max_new_tokens and len(done.get(k, ())) < max_new_tokens
+    }
+    along = reference.greedy_along(model_dir, [list(k) for k in todo], list(todo.values()))
+    for (key, tokens), picked in zip(todo.items(), along, strict=True):
+        if picked == tokens:
+            done[key] = tokens
+
+
 @pytest.fixture(scope="session")
 def hf_greedy() -> HFGreedy:
     """`transformers`' greedy tokens: `hf_greedy(model_dir, prompts, max_new_tokens)`.
@@ -440,6 +461,12 @@ def hf_greedy() -> HFGreedy:
     decoding's first n tokens do not depend on how many follow, so a shorter request is
     a prefix of the longest one computed. A long reference runs in processes, a share
     of the prompts each (HF_PARALLEL_TOKENS; `processes=True` or False decides).
+
+    `candidates=got` (the tokens a test was served, `max_new_tokens` each): a prompt
+    whose candidate is, position by position, the token transformers picks after the
+    prefix before it (`hf_reference.greedy_along`, one forward pass) is its greedy
+    continuation and is taken as the reference without `generate`; every other prompt
+    (a difference, a short candidate, an 8-bit KV cache) runs `generate` as above.
     """
     reference = _hf_reference_module()
     known: dict[tuple[str, str], dict[tuple[int, ...], list[int]]] = {}
@@ -451,9 +478,12 @@ def hf_greedy() -> HFGreedy:
         kv_cache_dtype: str = "auto",
         *,
         processes: bool | None = None,
+        candidates: list[list[int]] | None = None,
     ) -> list[list[int]]:
         done = known.setdefault((_folder_digest(model_dir), kv_cache_dtype), {})
         keys = [tuple(int(t) for t in p) for p in prompts]
+        if candidates is not None and kv_cache_dtype == "auto":
+            _hold_to_reference(reference, model_dir, keys, candidates, max_new_tokens, done)
         todo = [list(k) for k in dict.fromkeys(keys) if len(done.get(k, ())) < max_new_tokens]
         got: list[list[int]] = []
         if processes is None:

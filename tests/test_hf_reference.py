@@ -46,3 +46,23 @@ def test_prompts_of_one_length_batched_give_each_prompts_own_tokens(make_checkpo
     alone = [reference.generate(model_dir, [p], 24)[0] for p in mixed]
     assert together == alone
     assert len({tuple(t) for t in together}) == len(mixed)  # five streams, not one repeated
+
+
+def test_a_served_run_is_held_to_the_reference_by_one_forward_pass(
+    make_checkpoint: Any, hf_greedy: Any
+) -> None:
+    """`hf_greedy(..., candidates=got)`: transformers' greedy tokens are taken as the
+    reference only where its argmax along `prompt + got` picks every token of `got`; a
+    candidate one token off gets `generate`'s tokens, not itself."""
+    model_dir = make_checkpoint(seed=11)
+    reference = _reference()
+    want = reference.generate(model_dir, PROMPTS, 30)
+    # teacher-forced along generate's own tokens: the same tokens
+    assert reference.greedy_along(model_dir, PROMPTS, want) == want
+    # one token changed: the argmax there is transformers' token, not ours
+    wrong = [list(t) for t in want]
+    wrong[1][17] = (wrong[1][17] + 1) % 256
+    along = reference.greedy_along(model_dir, PROMPTS, wrong)
+    assert along[1][:18] == want[1][:18] != wrong[1][:18]
+    # the fixture: right candidates are taken, the wrong one is replaced by generate's
+    assert hf_greedy(model_dir, PROMPTS, 30, candidates=wrong) == want
